@@ -1,0 +1,283 @@
+"""The public op: argument checks, backend choice (registry), provenance. No arithmetic lives here.
+
+    linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, return_logits=False, vocab_size=None)
+        hidden  [N, D] bf16, D a multiple of 16
+        weight  [V_rows, D] bf16; rows >= vocab_size are padding and never enter a statistic
+        targets [N] int, each in [0, vocab_size)
+        -> LogpResult(logp [N] fp32, lse [N] fp32, logits [N, vocab_size] fp32 unscaled or None, provenance)
+
+    shard_tile_stats(...)   tile statistics of one vocabulary shard starting at global id vocab_start
+    merge_shard_stats(...)  the rank-ordered merge of gathered shard statistics
+    linear_logp_tp(...)     both, with the statistics all-gathered over a torch.distributed group
+    logp_from_logits(...)   the same statistics and merge over an FP32 logits row (any sharding upstream)
+
+A row whose logits contain a non-finite value (from a non-finite hidden or weight value, or an overflowing
+z / T) gets NaN logp and lse; the other rows are unaffected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+
+from ..shared_contract import constants as C
+from ..shared_contract.config import get_config
+from ..shared_contract.errors import ContractInputError
+from ..shared_contract.provenance import Provenance, make_provenance
+from ..shared_contract.registry import select_backend
+
+_FLOAT_BIAS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass
+class LogpResult:
+    logp: torch.Tensor                    # [N] fp32
+    lse: torch.Tensor                     # [N] fp32
+    logits: torch.Tensor | None           # [N, V] fp32, unscaled (before temperature), or None
+    provenance: Provenance
+
+
+@dataclasses.dataclass
+class ShardStats:
+    tile_max: torch.Tensor                # [N, nt] fp32, global tiles tile_offset .. tile_offset+nt-1
+    tile_sum: torch.Tensor                # [N, nt] fp32
+    target_logit: torch.Tensor            # [N] fp32: z'_target where this shard owns the target, else -inf
+    target_owned: torch.Tensor            # [N] bool
+    tile_offset: int
+    logits: torch.Tensor | None           # [N, n_real_local] fp32 unscaled, or None
+    provenance: Provenance
+
+
+# ---------------------------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------------------------
+
+def _check_hidden_weight(hidden, weight, weight_name="weight"):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ContractInputError(f"hidden must be a 2-D tensor [N, D]; got "
+                                 f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+    if hidden.dtype != torch.bfloat16:
+        raise ContractInputError(f"hidden must be torch.bfloat16 (contract v1 covers bf16 inputs only); got {hidden.dtype}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ContractInputError(f"{weight_name} must be a 2-D tensor [V, D]; got "
+                                 f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if weight.dtype != torch.bfloat16:
+        raise ContractInputError(f"{weight_name} must be torch.bfloat16 (contract v1 covers bf16 inputs only); "
+                                 f"got {weight.dtype}")
+    d = hidden.shape[1]
+    if d < C.K_GROUP or d % C.K_GROUP:
+        raise ContractInputError(f"hidden size D must be a positive multiple of {C.K_GROUP} (the k16 group); got D={d}")
+    if weight.shape[1] != d:
+        raise ContractInputError(f"{weight_name} must have D={d} columns to match hidden [N, D]; got {tuple(weight.shape)}")
+    if weight.device != hidden.device:
+        raise ContractInputError(f"hidden and {weight_name} must be on one device; got {hidden.device} and {weight.device}")
+
+
+def _check_vocab(vocab_size, rows, sharded=False):
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise ContractInputError(f"vocab_size must be a positive int; got {vocab_size!r}")
+    if not sharded and vocab_size > rows:
+        raise ContractInputError(f"vocab_size must be in [1, {rows}] (the weight's rows); got {vocab_size}")
+
+
+def _check_targets(targets, n, vocab_size, device):
+    if not isinstance(targets, torch.Tensor) or targets.dim() != 1 or targets.shape[0] != n:
+        raise ContractInputError(f"targets must be a 1-D integer tensor of length N={n}; got "
+                                 f"{getattr(targets, 'shape', type(targets).__name__)}")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise ContractInputError(f"targets must be torch.int64 or torch.int32; got {targets.dtype}")
+    if targets.device != device:
+        raise ContractInputError(f"targets must be on {device}; got {targets.device}")
+    if n == 0:
+        return targets.to(torch.int64)
+    ok = (targets >= 0) & (targets < vocab_size)
+    if device.type == "cpu":
+        if not bool(ok.all()):
+            bad = targets[~ok][0].item()
+            raise ContractInputError(f"targets must lie in the real vocabulary [0, {vocab_size}); got {bad}")
+    else:   # no host synchronisation: an asynchronous device-side assertion
+        torch._assert_async(ok.all(), f"targets must lie in the real vocabulary [0, {vocab_size})")
+    return targets.to(torch.int64).contiguous()
+
+
+def _temperature_tensor(temperature, n, device):
+    """Temperature as an FP32 tensor [N] (a Python number is rounded to binary32 once)."""
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() == 0:
+            temperature = temperature.reshape(1).expand(n)
+        if temperature.dim() != 1 or temperature.shape[0] != n:
+            raise ContractInputError(f"temperature must be a number or a tensor of shape [N]={n}; got "
+                                     f"{tuple(temperature.shape)}")
+        if not temperature.is_floating_point():
+            raise ContractInputError(f"temperature must be a floating tensor; got {temperature.dtype}")
+        t = temperature.to(device=device, dtype=torch.float32).contiguous()
+        ok = torch.isfinite(t) & (t > 0)
+        if device.type == "cpu":
+            if n and not bool(ok.all()):
+                raise ContractInputError(f"temperature must be finite and > 0 (as binary32); got "
+                                         f"{t[~ok][0].item()}")
+        elif n:
+            torch._assert_async(ok.all(), "temperature must be finite and > 0")
+        return t
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ContractInputError(f"temperature must be a number or a tensor [N]; got {type(temperature).__name__}")
+    t32 = torch.tensor(float(temperature), dtype=torch.float32)
+    if not math.isfinite(float(temperature)) or not (float(t32) > 0) or not math.isfinite(float(t32)):
+        raise ContractInputError(f"temperature must be finite and > 0 as binary32 (about [1.4e-45, 3.4e38]); "
+                                 f"got {temperature!r}")
+    return t32.to(device).expand(n).contiguous()
+
+
+def _bias_tensor(bias, rows, device):
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] < rows:
+        raise ContractInputError(f"bias must be a 1-D tensor with at least {rows} entries (one per weight row); "
+                                 f"got {getattr(bias, 'shape', type(bias).__name__)}")
+    if bias.dtype not in _FLOAT_BIAS:
+        raise ContractInputError(f"bias must be bf16, fp16 or fp32 (converted to fp32 exactly); got {bias.dtype}")
+    if bias.device != device:
+        raise ContractInputError(f"bias must be on {device}; got {bias.device}")
+    return bias[:rows].to(torch.float32).contiguous()
+
+
+def _resolve(backend, strict, device):
+    cfg = get_config()
+    strict = cfg.strict if strict is None else bool(strict)
+    name = cfg.backend if backend is None else backend
+    be, fallback = select_backend(name, device, strict)
+    return be, make_provenance(be, strict=strict, fallback=fallback)
+
+
+def _require(be, method):
+    if not hasattr(be, method):
+        raise ContractInputError(f"backend {be.name!r} has no {method} entry")
+    return getattr(be, method)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# entries
+# ---------------------------------------------------------------------------------------------------------
+
+def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, return_logits=False, vocab_size=None,
+                backend=None, strict=None) -> LogpResult:
+    """Selected-token logp and lse of softmax((hidden @ weight.T + bias) / T) under contract v1."""
+    _check_hidden_weight(hidden, weight)
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    _check_vocab(vocab_size, weight.shape[0])
+    n, dev = hidden.shape[0], hidden.device
+    targets = _check_targets(targets, n, vocab_size, dev)
+    temp = _temperature_tensor(temperature, n, dev)
+    b = _bias_tensor(bias, weight.shape[0], dev)
+    be, prov = _resolve(backend, strict, dev)
+    logp, lse, logits = be.linear_logp(hidden.contiguous(), weight.contiguous(), targets, bias=b,
+                                       temperature=temp, return_logits=bool(return_logits),
+                                       vocab_size=vocab_size)
+    return LogpResult(logp, lse, logits, prov)
+
+
+def shard_tile_stats(hidden, weight_shard, targets, *, vocab_start, vocab_size, bias=None, temperature=1.0,
+                     return_logits=False, backend=None, strict=None) -> ShardStats:
+    """Tile statistics of the shard whose first weight row is global vocabulary id `vocab_start`."""
+    _check_hidden_weight(hidden, weight_shard, "weight_shard")
+    if not isinstance(vocab_start, int) or vocab_start < 0 or vocab_start % C.VOCAB_TILE:
+        raise ContractInputError(f"vocab_start must be a non-negative multiple of VOCAB_TILE={C.VOCAB_TILE} "
+                                 f"(a shard starts on a global tile boundary); got {vocab_start!r}. "
+                                 f"Use logp_from_logits on the gathered row for other shardings.")
+    _check_vocab(vocab_size, weight_shard.shape[0], sharded=True)
+    end = vocab_start + weight_shard.shape[0]
+    if end < vocab_size and end % C.VOCAB_TILE:
+        raise ContractInputError(f"a shard must end on a tile boundary or at/after the real vocabulary end "
+                                 f"({vocab_size}); weight_shard rows [{vocab_start}, {end}) end mid-tile")
+    n, dev = hidden.shape[0], hidden.device
+    targets = _check_targets(targets, n, vocab_size, dev)
+    temp = _temperature_tensor(temperature, n, dev)
+    b = _bias_tensor(bias, weight_shard.shape[0], dev)
+    be, prov = _resolve(backend, strict, dev)
+    st = _require(be, "shard_stats")(hidden.contiguous(), weight_shard.contiguous(), targets,
+                                      vocab_start=vocab_start, vocab_size=vocab_size, bias=b, temperature=temp,
+                                      return_logits=bool(return_logits))
+    return ShardStats(provenance=prov, **st)
+
+
+def merge_shard_stats(stats: Sequence[ShardStats], *, vocab_size, backend=None, strict=None) -> LogpResult:
+    """Merge statistics of consecutive shards given in rank order (no arithmetic before the merge)."""
+    if not stats:
+        raise ContractInputError("stats must hold at least one ShardStats")
+    n_tiles = -(-vocab_size // C.VOCAB_TILE)
+    expect = 0
+    for r, st in enumerate(stats):
+        if st.tile_offset != expect:
+            raise ContractInputError(f"stats[{r}] starts at global tile {st.tile_offset}, expected {expect}: "
+                                     f"shards must be consecutive and in rank order")
+        expect += st.tile_max.shape[1]
+    if expect != n_tiles:
+        raise ContractInputError(f"the shards cover {expect} tiles; vocab_size={vocab_size} needs {n_tiles}")
+    tile_max = torch.cat([s.tile_max for s in stats], dim=1)
+    tile_sum = torch.cat([s.tile_sum for s in stats], dim=1)
+    target = stats[0].target_logit
+    for s in stats[1:]:
+        target = torch.where(s.target_owned, s.target_logit, target)
+    dev = tile_max.device
+    be, prov = _resolve(backend, strict, dev)
+    logp, lse = _require(be, "merge_stats")(tile_max.contiguous(), tile_sum.contiguous(), target.contiguous())
+    return LogpResult(logp, lse, None, prov)
+
+
+def linear_logp_tp(hidden, weight_shard, targets, *, vocab_start, vocab_size, group=None, bias=None,
+                   temperature=1.0, backend=None, strict=None) -> LogpResult:
+    """Tensor-parallel entry: this rank's tile statistics, all-gathered over `group` in rank order, merged.
+
+    Every rank returns identical logp/lse bytes, equal to the single-device op on the unsharded weight.
+    """
+    import torch.distributed as dist
+
+    st = shard_tile_stats(hidden, weight_shard, targets, vocab_start=vocab_start, vocab_size=vocab_size,
+                          bias=bias, temperature=temperature, backend=backend, strict=strict)
+    world = dist.get_world_size(group)
+    dev = st.tile_max.device
+    meta = torch.tensor([st.tile_offset, st.tile_max.shape[1]], dtype=torch.int64, device=dev)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+    shapes = [tuple(int(x) for x in m.tolist()) for m in metas]
+    nt_max = max(nt for _, nt in shapes)
+    n = st.tile_max.shape[0]
+
+    def gather(x, fill):
+        padded = torch.full((n, nt_max), fill, dtype=x.dtype, device=dev)
+        padded[:, : x.shape[1]] = x
+        out = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(out, padded.contiguous(), group=group)
+        return out
+
+    maxes, sums = gather(st.tile_max, float("-inf")), gather(st.tile_sum, 0.0)
+    tl = [torch.empty_like(st.target_logit) for _ in range(world)]
+    dist.all_gather(tl, st.target_logit.contiguous(), group=group)
+    owned_u8 = st.target_owned.to(torch.uint8)
+    ow = [torch.empty_like(owned_u8) for _ in range(world)]
+    dist.all_gather(ow, owned_u8, group=group)
+    gathered = [ShardStats(maxes[r][:, : shapes[r][1]], sums[r][:, : shapes[r][1]], tl[r], ow[r].bool(),
+                           shapes[r][0], None, st.provenance) for r in range(world)]
+    return merge_shard_stats(gathered, vocab_size=vocab_size, backend=st.provenance.backend,
+                             strict=st.provenance.strict)
+
+
+def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backend=None,
+                     strict=None) -> LogpResult:
+    """The contract's statistics and merge over FP32 unscaled logits rows [N, V] (e.g. a gathered vLLM row)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ContractInputError(f"logits must be a 2-D tensor [N, V]; got "
+                                 f"{getattr(logits, 'shape', type(logits).__name__)}")
+    if logits.dtype != torch.float32:
+        raise ContractInputError(f"logits must be torch.float32 (the contract's logits); got {logits.dtype}")
+    vocab_size = logits.shape[1] if vocab_size is None else vocab_size
+    _check_vocab(vocab_size, logits.shape[1])
+    n, dev = logits.shape[0], logits.device
+    targets = _check_targets(targets, n, vocab_size, dev)
+    temp = _temperature_tensor(temperature, n, dev)
+    be, prov = _resolve(backend, strict, dev)
+    logp, lse = be.stats_from_logits(logits[:, :vocab_size].contiguous(), targets, temperature=temp,
+                                     vocab_size=vocab_size)
+    return LogpResult(logp, lse, None, prov)

@@ -1,0 +1,197 @@
+"""The CPU oracle of contract v1: the same arithmetic as the SM90 kernel, bit for bit, GEMM included.
+
+GEMM (CONTRACT.md section 2, the Hopper bf16 tensor-core rule): for each ascending k16 group the 16 products
+and the FP32 accumulator c are aligned to the largest *nominal* exponent emax (ea+eb for a product, the
+exponent field of c), each truncated toward zero to 25 fractional bits, summed exactly, and the sum truncated
+toward zero to a 24-bit significand. Every aligned term is an integer below 2^28 and the 17-term sum is below
+2^33, so float64 holds every intermediate exactly: the emulation uses float64 tensors with trunc(), which is
+integer arithmetic in disguise and vectorises over [rows, cols, 16].
+
+Statistics (CONTRACT.md sections 3-5) run in numpy binary32, one rounded operation per step.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..shared_contract import constants as C
+from .transcendentals import contract_exp, contract_log
+
+_TILE = C.VOCAB_TILE
+_KG = C.K_GROUP
+_FRAC = C.ALIGN_FRAC_BITS
+_ACC_BITS = C.ACC_SIGNIFICAND_BITS
+# Elements of one [rows, cols, 16] float64 work block (about 8 MiB): keeps the emulation in cache.
+_BLOCK_ELEMS = 1 << 20
+
+
+def _nominal_exponent_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Exponent e of x = s * 2^e with s in [1, 2); subnormals and zero take e = -126. [..] int32."""
+    field = (x.view(torch.int16).to(torch.int32) >> 7) & 0xFF
+    return torch.clamp(field, min=1) - 127
+
+
+def _nominal_exponent_f32(x: torch.Tensor) -> torch.Tensor:
+    field = (x.view(torch.int32) >> 23) & 0xFF
+    return torch.clamp(field, min=1) - 127
+
+
+def _trunc_to_f32_grid(v: torch.Tensor) -> torch.Tensor:
+    """Truncate float64 values toward zero onto the binary32 grid (24-bit significand, subnormal floor)."""
+    mant, exp = torch.frexp(v)                         # v = mant * 2^exp, |mant| in [0.5, 1)
+    keep = torch.clamp(exp + 149, max=_ACC_BITS)       # significant bits available at this exponent
+    scaled = torch.trunc(torch.ldexp(mant, keep))
+    return torch.ldexp(scaled, exp - keep)
+
+
+def hopper_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """z = hidden @ weight.T under the Hopper k16 rule. hidden [N, D] bf16, weight [V, D] bf16 -> [N, V] fp32."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    h = hidden.detach().cpu().contiguous()
+    w = weight.detach().cpu().contiguous()
+    finite_h = torch.isfinite(h).all(dim=1)
+    finite_w = torch.isfinite(w).all(dim=1)
+    h_clean = torch.where(torch.isfinite(h), h, torch.zeros((), dtype=h.dtype))
+    w_clean = torch.where(torch.isfinite(w), w, torch.zeros((), dtype=w.dtype))
+    ha = h_clean.to(torch.float64).view(n, d // _KG, _KG)
+    wa = w_clean.to(torch.float64).view(v, d // _KG, _KG)
+    he = _nominal_exponent_bf16(h_clean).view(n, d // _KG, _KG)
+    we = _nominal_exponent_bf16(w_clean).view(v, d // _KG, _KG)
+    out = torch.empty(n, v, dtype=torch.float32)
+    cols = max(1, min(v, _BLOCK_ELEMS // (_KG * max(1, min(n, 64)))))
+    rows = max(1, min(n, _BLOCK_ELEMS // (_KG * cols)))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        for c0 in range(0, v, cols):
+            c1 = min(v, c0 + cols)
+            out[r0:r1, c0:c1] = _hopper_block(ha[r0:r1], he[r0:r1], wa[c0:c1], we[c0:c1])
+    if not (bool(finite_h.all()) and bool(finite_w.all())):
+        bad = ~(finite_h[:, None] & finite_w[None, :])
+        ieee = (h.to(torch.float64) @ w.to(torch.float64).T).to(torch.float32)
+        out = torch.where(bad, ieee, out)
+    return out
+
+
+def _hopper_block(ha, he, wa, we) -> torch.Tensor:
+    """One [rows, cols] block. ha [R, G, 16] f64, he [R, G, 16] i32, wa [Cc, G, 16], we [Cc, G, 16]."""
+    r, groups, _ = ha.shape
+    cc = wa.shape[0]
+    acc = torch.zeros(r, cc, dtype=torch.float64)
+    acc_e = torch.full((r, cc), -126, dtype=torch.int32)
+    for g in range(groups):
+        e = he[:, None, g, :] + we[None, :, g, :]                       # [R, Cc, 16] nominal exponents
+        emax = torch.maximum(e.amax(dim=-1), acc_e)                     # [R, Cc]
+        scale = torch.ldexp(torch.ones(emax.shape, dtype=torch.float64), _FRAC - emax)
+        prod = ha[:, None, g, :] * wa[None, :, g, :]                    # exact in float64
+        total = torch.trunc(prod * scale[..., None]).sum(dim=-1) + torch.trunc(acc * scale)
+        acc = _trunc_to_f32_grid(torch.ldexp(total, emax - _FRAC))
+        acc_e = _nominal_exponent_f32(acc.to(torch.float32))
+    return acc.to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tile statistics and the row merge (numpy binary32)
+# ---------------------------------------------------------------------------------------------------------
+
+def tile_stats(z: np.ndarray, temperature: np.ndarray, n_real: int):
+    """Statistics of consecutive global tiles. z [N, n_real] fp32 unscaled logits (+bias) starting on a tile
+    boundary; temperature [N] fp32. Returns (tile_max [N, nt], tile_sum [N, nt], zs [N, n_real] scaled)."""
+    n = z.shape[0]
+    nt = -(-n_real // _TILE)
+    with np.errstate(invalid="ignore", over="ignore"):
+        zs = (z[:, :n_real] / temperature[:, None]).astype(np.float32)
+        padded = np.full((n, nt * _TILE), -np.inf, dtype=np.float32)
+        padded[:, :n_real] = zs
+        tiles = padded.reshape(n, nt, _TILE)
+        real = np.zeros(nt * _TILE, dtype=bool)
+        real[:n_real] = True
+        real = real.reshape(nt, _TILE)
+        tmax = tiles.max(axis=-1)
+        nonfinite = (~np.isfinite(tiles) & real[None]).any(axis=-1)
+        tmax = np.where(nonfinite, np.float32(np.nan), tmax).astype(np.float32)
+        lanes = contract_exp(tiles - tmax[..., None])
+        lanes = np.where(real[None], lanes, np.float32(0.0)).astype(np.float32)
+        while lanes.shape[-1] > 1:                                        # adjacent-pairwise tree, 6 levels
+            lanes = (lanes[..., 0::2] + lanes[..., 1::2]).astype(np.float32)
+        tsum = lanes[..., 0]
+    return tmax, tsum, zs
+
+
+def merge(tile_max: np.ndarray, tile_sum: np.ndarray, target_logit: np.ndarray):
+    """Row merge over global tiles in ascending order. [N, T], [N, T], [N] fp32 -> (logp [N], lse [N])."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = tile_max.max(axis=1)                                          # NaN-propagating
+        w = contract_exp(tile_max - m[:, None])
+        s = (tile_sum[:, 0] * w[:, 0]).astype(np.float32)
+        for t in range(1, tile_max.shape[1]):
+            s = (s + tile_sum[:, t] * w[:, t]).astype(np.float32)
+        lse = (m + contract_log(s)).astype(np.float32)
+        logp = np.minimum(target_logit - lse, np.float32(0.0)).astype(np.float32)
+    return logp, lse
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+class OracleBackend:
+    """Contract v1 on the CPU. Accepts tensors on any device; computes on the CPU; returns on the input device."""
+
+    name = "oracle"
+    contract_bearing = True
+
+    def available(self):
+        return True, "always available"
+
+    def describe(self) -> dict:
+        return {"arch": "cpu", "compute_capability": "none", "toolkit": f"torch {torch.__version__} cpu",
+                "build": "python"}
+
+    def _logits(self, hidden, weight, bias, n_real):
+        z = hopper_logits(hidden, weight[:n_real])
+        if bias is not None:
+            z = (z + bias[:n_real].detach().cpu().to(torch.float32)[None, :]).to(torch.float32)
+        return z
+
+    def shard_stats(self, hidden, weight_shard, targets, *, vocab_start, vocab_size, bias, temperature,
+                    return_logits):
+        dev = hidden.device
+        n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
+        z = self._logits(hidden, weight_shard, bias, n_real)
+        temp = _np(temperature).astype(np.float32)
+        tmax, tsum, zs = tile_stats(_np(z), temp, n_real)
+        tgt = _np(targets).astype(np.int64) - vocab_start
+        owned = (tgt >= 0) & (tgt < n_real)
+        rows = np.arange(zs.shape[0])
+        tlogit = np.where(owned, zs[rows, np.clip(tgt, 0, max(n_real - 1, 0))] if n_real else -np.inf,
+                          np.float32(-np.inf)).astype(np.float32)
+        return {
+            "tile_max": torch.from_numpy(tmax).to(dev),
+            "tile_sum": torch.from_numpy(tsum).to(dev),
+            "target_logit": torch.from_numpy(tlogit).to(dev),
+            "target_owned": torch.from_numpy(owned).to(dev),
+            "tile_offset": vocab_start // _TILE,
+            "logits": z.to(dev) if return_logits else None,
+        }
+
+    def merge_stats(self, tile_max, tile_sum, target_logit):
+        dev = tile_max.device
+        logp, lse = merge(_np(tile_max), _np(tile_sum), _np(target_logit))
+        return torch.from_numpy(logp).to(dev), torch.from_numpy(lse).to(dev)
+
+    def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):
+        st = self.shard_stats(hidden, weight, targets, vocab_start=0, vocab_size=vocab_size, bias=bias,
+                              temperature=temperature, return_logits=return_logits)
+        logp, lse = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
+        return logp, lse, st["logits"]
+
+    def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
+        dev = logits.device
+        z = _np(logits).astype(np.float32)
+        tmax, tsum, zs = tile_stats(z, _np(temperature).astype(np.float32), vocab_size)
+        tlogit = zs[np.arange(zs.shape[0]), _np(targets).astype(np.int64)]
+        logp, lse = merge(tmax, tsum, tlogit)
+        return torch.from_numpy(logp).to(dev), torch.from_numpy(lse).to(dev)

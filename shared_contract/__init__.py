@@ -1,0 +1,1 @@
+"""Contract constants, provenance, configuration, backend registry and the weight fingerprint."""
