@@ -1,0 +1,135 @@
+"""shared_contract: constants cannot be overridden, provenance carries every field, config and registry rules,
+and the weight fingerprint's invariances."""
+import dataclasses
+
+import pytest
+import torch
+
+from fused_logp import CONTRACT_VERSION, linear_logp, weight_fingerprint
+from fused_logp.shared_contract import constants as C
+from fused_logp.shared_contract.config import Config, get_config, load_config, set_config
+from fused_logp.shared_contract.constants import ContractOverrideError
+from fused_logp.shared_contract.errors import StrictModeError
+from fused_logp.shared_contract.registry import select_backend
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_contract_version_string():
+    assert CONTRACT_VERSION == "cuda-fused-linear-logp-sm90-contract-v1"
+    assert C.VOCAB_TILE == 64 and C.K_GROUP == 16
+
+
+def test_env_override_of_a_constant_raises(monkeypatch):
+    monkeypatch.setenv("FUSED_LOGP_VOCAB_TILE", "128")
+    with pytest.raises(ContractOverrideError, match=r"VOCAB_TILE.*cuda-fused-linear-logp-sm90-contract-v1"):
+        load_config()
+
+
+def test_yaml_override_of_a_constant_raises(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("strict: true\nk_group: 32\n")
+    with pytest.raises(ContractOverrideError, match=r"K_GROUP is a bit-relevant constant of cuda-fused-linear-logp"):
+        load_config(p)
+
+
+def test_yaml_unknown_key_raises(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("strictt: true\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['strictt'\]"):
+        load_config(p)
+
+
+def test_shipped_configs():
+    assert load_config(REPO / "configs" / "default.yaml").strict is False
+    assert load_config(REPO / "configs" / "strict.yaml").strict is True
+
+
+def test_strict_from_environment(monkeypatch, gen):
+    monkeypatch.setenv("FUSED_LOGP_STRICT", "1")
+    set_config(None)
+    assert get_config().strict is True
+    h = torch.randn(2, 16, generator=gen).bfloat16()
+    w = torch.randn(70, 16, generator=gen).bfloat16()
+    with pytest.raises(StrictModeError):
+        linear_logp(h, w, torch.tensor([1, 2]), backend="torch")
+    assert linear_logp(h, w, torch.tensor([1, 2])).provenance.strict is True
+
+
+def test_strict_config_file_refuses_torch_backend(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("strict: true\nbackend: torch\n")
+    set_config(load_config(p))
+    with pytest.raises(StrictModeError):
+        linear_logp(torch.ones(1, 16).bfloat16(), torch.ones(3, 16).bfloat16(), torch.tensor([0]))
+
+
+def test_provenance_carries_every_field(gen):
+    h = torch.randn(2, 16, generator=gen).bfloat16()
+    w = torch.randn(70, 16, generator=gen).bfloat16()
+    p = linear_logp(h, w, torch.tensor([1, 2])).provenance.to_dict()
+    for field in ("backend", "contract_version", "arch", "compute_capability", "vocab_tile", "k_group", "k_slab",
+                  "n_split_policy", "tree_id", "transcendental_id", "toolkit", "build", "strict", "fallback"):
+        assert field in p, field
+    assert p["contract_version"] == CONTRACT_VERSION and p["backend"] == "oracle"
+    assert p["vocab_tile"] == 64 and p["k_group"] == 16 and p["k_slab"] == 32
+
+
+def test_cuda_tensor_without_sm90_falls_back_visibly():
+    """Where CUDA is present but the SM90 kernel is not, the oracle runs and provenance says so."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("needs a CUDA device that is not SM90")
+    be, why = select_backend("auto", torch.device("cuda"), strict=False)
+    assert be.name == "oracle" and "sm90" in why
+
+
+def test_cpu_auto_selects_the_oracle():
+    be, why = select_backend("auto", torch.device("cpu"), strict=True)
+    assert be.name == "oracle" and be.contract_bearing and why is None
+
+
+# --- weight fingerprint ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def head(gen):
+    return torch.randn(1000, 64, generator=gen).bfloat16()
+
+
+def _fp_of_shards(w, bounds, vocab_size):
+    """Fingerprint from shard lanes added modulo 2^64, as an integer all-reduce would."""
+    from fused_logp.shared_contract.fingerprint import _lanes
+    tot = [0, 0]
+    for a, b in zip(bounds, bounds[1:]):
+        n_real = max(0, min(b, vocab_size) - a)
+        for k, x in enumerate(_lanes(w[a:a + n_real], a)):
+            tot[k] = (tot[k] + int(x)) & ((1 << 64) - 1)
+    return f"{C.FINGERPRINT_ID}:{tot[0]:016x}{tot[1]:016x}"
+
+
+@pytest.mark.parametrize("bounds", [[0, 500, 1000], [0, 250, 500, 750, 1000], [0, 37, 401, 999, 1000],
+                                    [0, 128, 256, 384, 512, 640, 768, 896, 1024]])
+def test_fingerprint_invariant_to_sharding_and_padding(head, bounds):
+    padded = torch.cat([head, torch.randn(24, 64).bfloat16()])
+    assert _fp_of_shards(padded, bounds, 1000) == weight_fingerprint(head)
+    assert weight_fingerprint(padded, vocab_size=1000) == weight_fingerprint(head)
+
+
+def test_fingerprint_detects_one_changed_bit_and_row_swaps(head):
+    base = weight_fingerprint(head)
+    changed = head.clone()
+    changed.view(torch.int16)[613, 17] ^= 1
+    assert weight_fingerprint(changed) != base
+    swapped = head.clone()
+    swapped[[3, 4]] = head[[4, 3]]
+    assert weight_fingerprint(swapped) != base
+    moved = head.clone()
+    moved[10, [0, 1]] = head[10, [1, 0]]
+    assert weight_fingerprint(moved) != base or torch.equal(head[10, 0], head[10, 1])
+
+
+def test_fingerprint_reads_bytes_not_versions(head):
+    """An in-place update keeps the tensor object and its identity; the fingerprint follows the bytes."""
+    base = weight_fingerprint(head)
+    with torch.no_grad():
+        head.data.copy_(head * 1.5)
+    assert weight_fingerprint(head) != base
