@@ -27,6 +27,7 @@ from ..shared_contract.config import get_config
 from ..shared_contract.errors import ContractInputError
 from ..shared_contract.provenance import Provenance, make_provenance
 from ..shared_contract.registry import select_backend
+from .autograd import LinearLogpFunction
 
 _FLOAT_BIAS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -133,14 +134,30 @@ def _temperature_tensor(temperature, n, device):
 def _bias_tensor(bias, rows, device):
     if bias is None:
         return None
-    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] < rows:
-        raise ContractInputError(f"bias must be a 1-D tensor with at least {rows} entries (one per weight row); "
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != rows:
+        raise ContractInputError(f"bias must be a 1-D tensor of {rows} entries (one per weight row); "
                                  f"got {getattr(bias, 'shape', type(bias).__name__)}")
     if bias.dtype not in _FLOAT_BIAS:
         raise ContractInputError(f"bias must be bf16, fp16 or fp32 (converted to fp32 exactly); got {bias.dtype}")
     if bias.device != device:
         raise ContractInputError(f"bias must be on {device}; got {bias.device}")
-    return bias[:rows].to(torch.float32).contiguous()
+    return bias.detach().to(torch.float32).contiguous()
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _with_grad(forward, hidden, weight, bias, targets, temp, vocab_start, n_real) -> LogpResult:
+    """Run `forward` (-> LogpResult) under LinearLogpFunction; logits are not returned on the training path."""
+    box = []
+
+    def run(h, w, b):
+        box.append(forward(h, w, b))
+        return box[0].logp, box[0].lse
+
+    logp, lse = LinearLogpFunction.apply(hidden, weight, bias, targets, temp, run, vocab_start, n_real)
+    return LogpResult(logp, lse, None, box[0].provenance)
 
 
 def _resolve(backend, strict, device):
@@ -170,12 +187,18 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, return_l
     n, dev = hidden.shape[0], hidden.device
     targets = _check_targets(targets, n, vocab_size, dev)
     temp = _temperature_tensor(temperature, n, dev)
-    b = _bias_tensor(bias, weight.shape[0], dev)
+    _bias_tensor(bias, weight.shape[0], dev)
     be, prov = _resolve(backend, strict, dev)
-    logp, lse, logits = be.linear_logp(hidden.contiguous(), weight.contiguous(), targets, bias=b,
-                                       temperature=temp, return_logits=bool(return_logits),
-                                       vocab_size=vocab_size)
-    return LogpResult(logp, lse, logits, prov)
+
+    def forward(h, w, bias_raw):
+        logp, lse, logits = be.linear_logp(h.contiguous(), w.contiguous(), targets,
+                                           bias=_bias_tensor(bias_raw, w.shape[0], dev), temperature=temp,
+                                           return_logits=bool(return_logits), vocab_size=vocab_size)
+        return LogpResult(logp, lse, logits, prov)
+
+    if _needs_grad(hidden, weight, bias):
+        return _with_grad(forward, hidden, weight, bias, targets, temp, 0, vocab_size)
+    return forward(hidden, weight, bias)
 
 
 def shard_tile_stats(hidden, weight_shard, targets, *, vocab_start, vocab_size, bias=None, temperature=1.0,
@@ -234,6 +257,20 @@ def linear_logp_tp(hidden, weight_shard, targets, *, vocab_start, vocab_size, gr
     """
     import torch.distributed as dist
 
+    def forward(h, w, bias_raw):
+        return _tp_forward(dist, h, w, targets, vocab_start, vocab_size, group, bias_raw, temperature, backend, strict)
+
+    if _needs_grad(hidden, weight_shard, bias):
+        _check_hidden_weight(hidden, weight_shard, "weight_shard")
+        n, dev = hidden.shape[0], hidden.device
+        n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
+        return _with_grad(forward, hidden, weight_shard, bias, _check_targets(targets, n, vocab_size, dev),
+                          _temperature_tensor(temperature, n, dev), vocab_start, n_real)
+    return forward(hidden, weight_shard, bias)
+
+
+def _tp_forward(dist, hidden, weight_shard, targets, vocab_start, vocab_size, group, bias, temperature, backend,
+                strict) -> LogpResult:
     st = shard_tile_stats(hidden, weight_shard, targets, vocab_start=vocab_start, vocab_size=vocab_size,
                           bias=bias, temperature=temperature, backend=backend, strict=strict)
     world = dist.get_world_size(group)

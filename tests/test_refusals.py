@@ -93,7 +93,7 @@ def test_vocab_size_out_of_range(data):
 
 def test_bias_wrong(data):
     h, w, t = data
-    with pytest.raises(ContractInputError, match=r"bias must be a 1-D tensor with at least 200"):
+    with pytest.raises(ContractInputError, match=r"bias must be a 1-D tensor of 200 entries"):
         linear_logp(h, w, t, bias=torch.zeros(10))
     with pytest.raises(ContractInputError, match=r"bias must be bf16, fp16 or fp32"):
         linear_logp(h, w, t, bias=torch.zeros(200, dtype=torch.float64))
