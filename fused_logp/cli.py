@@ -82,16 +82,41 @@ def demo(args) -> int:
     return 1 if failed else 0
 
 
+def ladder(args) -> int:
+    from .ladder import run_ladder
+    rep = run_ladder(args.out)
+    for c in rep["checks"]:
+        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['backend']:7s} {c['level']:6s} {c['check']}")
+    print(f"report: {args.out}/ladder.md, {args.out}/ladder.json")
+    failed = sum(not c["passed"] for c in rep["checks"])
+    print(f"{len(rep['checks']) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def golden(args) -> int:
+    from .ladder import golden_digests, write_golden
+    digests = golden_digests(args.backend)
+    print(json.dumps(digests, indent=2))
+    if args.write:
+        write_golden(args.backend)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fused-logp", description=__doc__)
     p.add_argument("--config", help="YAML configuration (strict: true|false, backend: ...)")
     sub = p.add_subparsers(dest="cmd")
     sub.add_parser("demo", help="run the op on the embedded default and print the checks it passed")
+    lad = sub.add_parser("ladder", help="run L1-L3 and the golden fingerprints on every backend here; write a report")
+    lad.add_argument("--out", default="out/ladder", help="folder for ladder.md and ladder.json")
+    gold = sub.add_parser("golden", help="print (or --write) the golden fingerprints of a backend")
+    gold.add_argument("--backend", default="oracle")
+    gold.add_argument("--write", action="store_true", help="store them in fused_logp/golden/golden.json")
     args = p.parse_args(argv)
     if args.config:
         set_config(load_config(args.config))
     cmd = args.cmd or "demo"
-    return {"demo": demo}[cmd](args)
+    return {"demo": demo, "ladder": ladder, "golden": golden}[cmd](args)
 
 
 if __name__ == "__main__":
