@@ -1,0 +1,142 @@
+"""Installing the processor into GPTModel.
+
+megatron-core >= 0.18: GPTModel.forward takes `output_processor=`; `install()` wraps forward so that a labelled
+training/scoring call gets `logp_output_processor` when the caller passed none (callers may also pass it
+themselves). megatron-core 0.16/0.17: `install()` wraps `GPTModel._postprocess`, which calls the processor with
+the >= 0.18 keywords. Both are idempotent, reversible (`uninstall`) and pass through when the plugin is
+disabled, when labels are absent (generation wants logits) or when an inference context is given.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+
+from .processor import logp_output_processor
+from .settings import LogpSettings, check_backend_allowed, get_settings
+
+_ATTR = "_fused_logp_settings"
+_lock = threading.Lock()
+_installed: dict = {}          # attribute name -> original function
+
+
+def megatron_core_version() -> tuple:
+    from megatron.core import package_info
+    return tuple(int(x) for x in package_info.__version__.split(".")[:2] if x.isdigit())
+
+
+def _gpt_model_cls():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    return GPTModel
+
+
+def has_output_processor_hook() -> bool:
+    return "output_processor" in inspect.signature(_gpt_model_cls().forward).parameters
+
+
+def unwrap_gpt_model(model):
+    """The GPTModel inside DDP / Float16Module / other `.module` wrappers."""
+    GPTModel = _gpt_model_cls()
+    seen = 0
+    while not isinstance(model, GPTModel):
+        if not hasattr(model, "module") or seen > 8:
+            raise TypeError(f"no megatron.core GPTModel found inside {type(model).__name__}")
+        model, seen = model.module, seen + 1
+    return model
+
+
+def settings_for(model) -> LogpSettings:
+    return getattr(model, _ATTR, None) or get_settings()
+
+
+def enable(model, settings: LogpSettings | None = None):
+    """Per-model settings (overriding the process-wide ones), e.g. to turn the plugin on for one model only."""
+    settings = settings or LogpSettings(backend="contract")
+    check_backend_allowed(settings.backend)
+    setattr(unwrap_gpt_model(model), _ATTR, settings)
+    install()
+    return model
+
+
+def disable(model):
+    """This model follows Megatron's own output layer and loss again (a disabled per-model setting)."""
+    setattr(unwrap_gpt_model(model), _ATTR, LogpSettings(backend=None))
+    return model
+
+
+def _make_postprocess(orig):
+    @functools.wraps(orig)
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                     rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
+                     attention_mask=None, inference_params=None, packed_seq_params=None, sequence_len_offset=None,
+                     runtime_gather_output=None, extra_block_kwargs=None, inference_context=None, **kw):
+        args = (hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin)
+        kwargs = dict(mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask, decoder_input=decoder_input,
+                      attention_mask=attention_mask, inference_params=inference_params,
+                      packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                      runtime_gather_output=runtime_gather_output, extra_block_kwargs=extra_block_kwargs,
+                      inference_context=inference_context, **kw)
+        settings = settings_for(self)
+        if not settings.enabled or labels is None or inference_context is not None or not self.post_process:
+            return orig(self, *args, **kwargs)
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+            else None
+        if mtp_in_postprocess:
+            from .guards import _refuse
+            _refuse("multi-token prediction (mtp_block_spec)",
+                    "its heads call output_layer and compute_language_model_loss directly, outside the contract op")
+        return logp_output_processor(
+            hidden_states=hidden_states, output_layer=self.output_layer, output_weight=output_weight,
+            labels=labels, loss_mask=loss_mask, input_ids=input_ids, position_ids=position_ids,
+            attention_mask=attention_mask, decoder_input=decoder_input, inference_context=inference_context,
+            packed_seq_params=packed_seq_params, runtime_gather_output=runtime_gather_output, context=settings,
+            compute_language_model_loss=self.compute_language_model_loss, config=self.config)
+
+    _postprocess.__fused_logp_wrapper__ = True
+    return _postprocess
+
+
+def _make_forward(orig):
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def forward(self, *args, **kwargs):
+        settings = settings_for(self)
+        if settings.enabled and kwargs.get("output_processor") is None:
+            bound = sig.bind_partial(self, *args, **kwargs).arguments
+            if bound.get("labels") is not None and bound.get("inference_context") is None \
+                    and bound.get("inference_params") is None:
+                kwargs["output_processor"] = logp_output_processor
+                kwargs["output_processor_context"] = settings
+        return orig(self, *args, **kwargs)
+
+    forward.__fused_logp_wrapper__ = True
+    return forward
+
+
+def install() -> str:
+    """Install the hook on GPTModel (idempotent). Returns the attribute wrapped: 'forward' or '_postprocess'."""
+    GPTModel = _gpt_model_cls()
+    name = "forward" if has_output_processor_hook() else "_postprocess"
+    with _lock:
+        if name not in _installed:
+            orig = GPTModel.__dict__[name]
+            if getattr(orig, "__fused_logp_wrapper__", False):      # installed by another copy of this module
+                return name
+            _installed[name] = orig
+            setattr(GPTModel, name, (_make_forward if name == "forward" else _make_postprocess)(orig))
+    return name
+
+
+def uninstall() -> None:
+    """Restore GPTModel's original methods (idempotent)."""
+    GPTModel = _gpt_model_cls()
+    with _lock:
+        for name, orig in list(_installed.items()):
+            setattr(GPTModel, name, orig)
+            del _installed[name]
+
+
+def is_installed() -> bool:
+    GPTModel = _gpt_model_cls()
+    return any(getattr(GPTModel.__dict__.get(n), "__fused_logp_wrapper__", False) for n in ("forward", "_postprocess"))

@@ -1,0 +1,437 @@
+"""Megatron plugin on real megatron-core (0.16.1 in CI), world size 1 over gloo, CPU oracle backend."""
+from __future__ import annotations
+
+import argparse
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+megatron_core = pytest.importorskip("megatron.core")
+warnings.filterwarnings("ignore", module="megatron")
+
+import megatron_shims as ms  # noqa: E402
+
+import fused_logp  # noqa: E402
+from fused_logp import megatron_plugin as mp  # noqa: E402
+from fused_logp.shared_contract.config import Config, get_config, set_config  # noqa: E402
+from fused_logp.shared_contract.errors import (ContractInputError, FingerprintMismatchError,  # noqa: E402
+                                               StrictModeError)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PADDED, REAL, B, S, D = 512, 500, 2, 8, 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dist_world_1():
+    created = ms.init_distributed(0, 1, ms.free_port())
+    yield
+    mp.uninstall()
+    ms.shutdown_distributed(destroy_process_group=created)
+
+
+@pytest.fixture(autouse=True)
+def clean_plugin_state():
+    mp.uninstall()
+    mp.configure(None)
+    set_config(Config())
+    yield
+    mp.uninstall()
+    mp.configure(None)
+    set_config(None)
+
+
+@pytest.fixture(scope="module")
+def tied():
+    return ms.build_tiny_gpt(vocab_size=PADDED, tied=True)
+
+
+@pytest.fixture(scope="module")
+def untied():
+    return ms.build_tiny_gpt(vocab_size=PADDED, tied=False, seed=99)
+
+
+def _lm_head(gpt):
+    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+        else gpt.output_layer.weight
+
+
+def _rows(x_bs, mask_bs):
+    """[b, s] -> the op's row order (sequence-major, as [s, b] flattened), masked-in rows only."""
+    flat = x_bs.t().reshape(-1)
+    return flat if mask_bs is None else flat[mask_bs.t().reshape(-1) != 0]
+
+
+def _hidden_rows(h_sbd, mask_bs):
+    flat = h_sbd.reshape(-1, h_sbd.shape[-1])
+    return flat if mask_bs is None else flat[mask_bs.t().reshape(-1) != 0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------------------------
+
+def test_args_extra_args_provider():
+    parser = mp.add_logp_args(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(["--logp-backend", "contract", "--logp-temperature", "0.7", "--logp-vocab-size", "500"])
+    s = mp.setup_from_args(args)
+    assert (s.backend, s.temperature, s.vocab_size) == ("contract", 0.7, 500)
+    assert mp.get_settings() == s and mp.is_installed()
+    assert s.op_backend() == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--logp-backend", "cublas"])
+    off = mp.setup_from_args(parser.parse_args([]))
+    assert not off.enabled
+
+
+def test_args_chain_and_vocab_fallback():
+    def other(parser):
+        parser.add_argument("--vocab-size", type=int, default=None)
+        return parser
+
+    parser = mp.chain_args_providers(other, mp.add_logp_args)(argparse.ArgumentParser())
+    s = mp.settings_from_args(parser.parse_args(["--logp-backend", "torch", "--vocab-size", "321"]))
+    assert (s.backend, s.vocab_size) == ("torch", 321) and s.op_backend() == "torch"
+
+
+def test_args_yaml_config_and_strict_refuses_torch():
+    parser = mp.add_logp_args(argparse.ArgumentParser())
+    s = mp.setup_from_args(parser.parse_args(["--logp-config", str(CONFIGS / "strict.yaml"),
+                                              "--logp-vocab-size", "500"]))
+    assert s.backend == "contract" and get_config().strict
+    with pytest.raises(StrictModeError, match="strict"):
+        mp.setup_from_args(parser.parse_args(["--logp-config", str(CONFIGS / "strict.yaml"),
+                                              "--logp-backend", "torch"]))
+    with pytest.raises(StrictModeError):
+        mp.configure("torch")
+    with pytest.raises(ValueError):
+        mp.configure("contract", temperature=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the hook
+# ---------------------------------------------------------------------------------------------------------
+
+def test_hook_point_for_this_megatron():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    expect = "forward" if mp.megatron_core_version() >= (0, 18) else "_postprocess"
+    assert mp.has_output_processor_hook() == (expect == "forward")
+    orig = GPTModel.__dict__[expect]
+    assert mp.install() == expect
+    wrapped = GPTModel.__dict__[expect]
+    assert wrapped is not orig and mp.install() == expect and GPTModel.__dict__[expect] is wrapped   # idempotent
+    mp.uninstall()
+    assert GPTModel.__dict__[expect] is orig and not mp.is_installed()
+    mp.uninstall()                                                                                   # idempotent
+
+
+def test_flag_off_leaves_megatron_untouched(tied):
+    wrapped, gpt = tied
+    ids, pos, mask, labels = ms.batch(B, S, REAL)
+    with torch.no_grad():
+        loss0 = wrapped(ids, pos, mask, labels=labels)
+        logits0 = wrapped(ids, pos, mask)
+    assert loss0.shape == (B, S) and logits0.shape == (B, S, PADDED)
+
+    def same():
+        with torch.no_grad():
+            return (torch.equal(wrapped(ids, pos, mask, labels=labels), loss0)
+                    and torch.equal(wrapped(ids, pos, mask), logits0))
+
+    mp.install()                                     # installed, disabled
+    assert same()
+    mp.configure("contract", vocab_size=REAL)        # enabled: the unlabelled call still returns Megatron's logits
+    with torch.no_grad():
+        assert torch.equal(wrapped(ids, pos, mask), logits0)
+        assert isinstance(wrapped(ids, pos, mask, labels=labels), mp.LogpOutput)
+    mp.disable(wrapped)                              # per-model off
+    assert same()
+    gpt._fused_logp_settings = None
+    mp.configure(None)
+    assert same()
+    mp.uninstall()
+    assert same()
+
+
+def test_per_model_enable(tied, untied):
+    ids, pos, mask, labels = ms.batch(B, S, REAL)
+    mp.enable(untied[0], mp.LogpSettings(backend="contract", vocab_size=REAL))
+    try:
+        with torch.no_grad():
+            assert isinstance(untied[0](ids, pos, mask, labels=labels), mp.LogpOutput)
+            loss = tied[0](ids, pos, mask, labels=labels)          # global settings: off
+        assert isinstance(loss, torch.Tensor) and loss.shape == (B, S)
+    finally:
+        untied[1]._fused_logp_settings = None
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_logp_lse_bytes_equal_the_op(which, request):
+    wrapped, gpt = request.getfixturevalue(which)
+    ids, pos, mask, labels = ms.batch(B, S, REAL, seed=3)
+    loss_mask = torch.ones(B, S)
+    loss_mask[0, :2] = 0
+    loss_mask[1, -1] = 0
+    labels[0, 0], labels[0, 1], labels[1, -1] = -100, 505, PADDED + 7    # ignored: masked out
+    mp.configure("contract", temperature=0.7, vocab_size=REAL)
+    mp.install()
+    cap = ms.CaptureFinalHidden(gpt)
+    try:
+        with torch.no_grad():
+            out = wrapped(ids, pos, mask, labels=labels, loss_mask=loss_mask)
+    finally:
+        cap.remove()
+    assert isinstance(out, mp.LogpOutput) and out.logp.shape == (B, S) and out.lse.dtype == torch.float32
+    assert out.provenance.contract_bearing
+    ref = fused_logp.linear_logp(_hidden_rows(cap.value, loss_mask), _lm_head(gpt).detach(), _rows(labels, loss_mask),
+                                 temperature=0.7, vocab_size=REAL)
+    assert torch.equal(_rows(out.logp, loss_mask), ref.logp)
+    assert torch.equal(_rows(out.lse, loss_mask), ref.lse)
+    assert bool((out.logp[loss_mask == 0] == 0).all()) and bool((out.lse[loss_mask == 0] == 0).all())
+    loss, n, report = mp.logp_loss_func(loss_mask, out)
+    assert int(n) == int(loss_mask.sum()) and torch.equal(loss, -(out.logp * loss_mask).sum())
+    assert "lm loss" in report
+
+
+def test_padded_rows_never_enter_lse(untied):
+    wrapped, gpt = untied
+    ids, pos, mask, labels = ms.batch(B, S, REAL, seed=5)
+    mp.configure("contract", vocab_size=REAL)
+    mp.install()
+    w = gpt.output_layer.weight
+    with torch.no_grad():
+        before = wrapped(ids, pos, mask, labels=labels)
+        saved = w[REAL:].clone()
+        w[REAL:] = 3.0                                   # padding rows with large logits
+        try:
+            after = wrapped(ids, pos, mask, labels=labels)
+        finally:
+            w[REAL:] = saved
+    assert torch.equal(before.logp, after.logp) and torch.equal(before.lse, after.lse)
+
+
+def test_label_outside_real_vocab_rejected(tied):
+    wrapped, _ = tied
+    ids, pos, mask, labels = ms.batch(B, S, REAL)
+    labels[1, 3] = REAL + 1                               # a padded-vocab id at an unmasked position
+    mp.configure("contract", vocab_size=REAL)
+    mp.install()
+    with torch.no_grad(), pytest.raises(ContractInputError, match=r"real vocabulary \[0, 500\)"):
+        wrapped(ids, pos, mask, labels=labels)
+
+
+def test_per_token_temperature(tied):
+    wrapped, gpt = tied
+    ids, pos, mask, labels = ms.batch(B, S, REAL, seed=11)
+    temps = torch.linspace(0.5, 1.5, B * S).reshape(B, S)
+    mp.configure("contract", vocab_size=REAL)
+    mp.install()
+    cap = ms.CaptureFinalHidden(gpt)
+    try:
+        with torch.no_grad(), mp.call_options(temperature=temps):
+            out = wrapped(ids, pos, mask, labels=labels)
+    finally:
+        cap.remove()
+    ref = fused_logp.linear_logp(cap.value.reshape(-1, D), _lm_head(gpt).detach(), _rows(labels, None),
+                                 temperature=_rows(temps, None), vocab_size=REAL)
+    assert torch.equal(_rows(out.logp, None), ref.logp) and torch.equal(_rows(out.lse, None), ref.lse)
+
+
+def test_output_processor_keyword_contract(untied):
+    """The processor as megatron-core >= 0.18 calls it (every keyword GPTModel._postprocess passes)."""
+    _, gpt = untied
+    g = torch.Generator().manual_seed(2)
+    h = (torch.randn(S, B, D, generator=g) * 0.5).bfloat16()
+    labels = torch.randint(0, REAL, (B, S), generator=g)
+    out = mp.logp_output_processor(
+        hidden_states=h, output_layer=gpt.output_layer, output_weight=None, labels=labels, loss_mask=None,
+        input_ids=None, position_ids=None, attention_mask=None, decoder_input=None, inference_context=None,
+        packed_seq_params=None, runtime_gather_output=None, context={"temperature": 0.9, "vocab_size": REAL},
+        compute_language_model_loss=gpt.compute_language_model_loss, scale_logits=lambda x: x, config=gpt.config)
+    ref = fused_logp.linear_logp(h.reshape(-1, D), gpt.output_layer.weight.detach(), _rows(labels, None),
+                                 temperature=0.9, vocab_size=REAL)
+    assert torch.equal(_rows(out.logp, None), ref.logp) and torch.equal(_rows(out.lse, None), ref.lse)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gradients
+# ---------------------------------------------------------------------------------------------------------
+
+def _float64_reference(h_sbd, w, labels, mask, temperature, vocab, c_lse):
+    h64 = h_sbd.detach().double().reshape(-1, D).requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    z = (h64 @ w64[:vocab].t()) / temperature
+    lse = torch.logsumexp(z, dim=1)
+    t = labels.t().reshape(-1).clamp(0, vocab - 1)
+    logp = z.gather(1, t[:, None]).squeeze(1) - lse
+    m = mask.t().reshape(-1).double()
+    (-(logp * m).sum() + c_lse * (lse * m).sum()).backward()
+    return h64.grad.reshape(h_sbd.shape), w64.grad
+
+
+def _close(got, ref):
+    """bf16 gradients against float64: |got - ref| <= 2^-7 |ref| + 2^-7 max|ref| (bf16 output rounding plus the
+    bf16 rounding of the inputs seen by the reference)."""
+    got, ref = got.double(), ref.double()
+    tol = ref.abs() * 2 ** -7 + ref.abs().max() * 2 ** -7
+    return bool(((got - ref).abs() <= tol).all()), float((got - ref).abs().max())
+
+
+def test_gradients_match_float64_reference(untied):
+    _, gpt = untied
+    g = torch.Generator().manual_seed(4)
+    h = (torch.randn(S, B, D, generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (gpt.output_layer.weight.detach().clone() * 4).requires_grad_()
+    labels = torch.randint(0, REAL, (B, S), generator=g)
+    mask = torch.ones(B, S)
+    mask[1, :3] = 0
+    mp.configure("contract", vocab_size=REAL, temperature=0.8)
+    out = mp.logp_output_processor(hidden_states=h, output_layer=gpt.output_layer, output_weight=w, labels=labels,
+                                   loss_mask=mask, config=gpt.config)
+    (-(out.logp * mask).sum() + 0.3 * (out.lse * mask).sum()).backward()
+    gh, gw = _float64_reference(h, w, labels, mask, 0.8, REAL, 0.3)
+    assert _close(h.grad, gh)[0], _close(h.grad, gh)
+    assert _close(w.grad[:REAL], gw[:REAL])[0], _close(w.grad[:REAL], gw[:REAL])
+    assert bool((w.grad[REAL:] == 0).all())                      # padding rows get no gradient
+    assert bool((h.grad[:3, 1] == 0).all())                      # masked positions get no gradient
+
+
+# ---------------------------------------------------------------------------------------------------------
+# refusals
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, match", [
+    ({"mtp_num_layers": 1}, "multi-token prediction"),
+    ({"use_mup": True, "mup_output_mult": 0.5}, "MuP"),
+    ({"final_logit_softcapping": 30.0}, "soft-capping"),
+    ({"fp8_output_proj": True, "fp8_recipe": "mxfp8"}, "quantized output projection"),
+    ({"defer_embedding_wgrad_compute": True}, "deferred embedding wgrad"),
+])
+def test_refuses_uncovered_config(untied, fields, match):
+    wrapped, gpt = untied
+    ids, pos, mask, labels = ms.batch(B, S, REAL)
+    mp.configure("contract", vocab_size=REAL)
+    mp.install()
+    saved = gpt.config
+    cfg = copy.copy(saved)
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    gpt.config = cfg
+    try:
+        with torch.no_grad(), pytest.raises(mp.UnsupportedMegatronConfigError, match=match):
+            wrapped(ids, pos, mask, labels=labels)
+    finally:
+        gpt.config = saved
+
+
+def test_refuses_uncovered_output_layers(untied):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    _, gpt = untied
+    h = torch.zeros(S, B, D, dtype=torch.bfloat16)
+    labels = torch.zeros(B, S, dtype=torch.int64)
+    mp.configure("contract", vocab_size=REAL)
+    call = dict(hidden_states=h, labels=labels, config=gpt.config)
+    w = gpt.output_layer.weight
+    with pytest.raises(mp.UnsupportedMegatronConfigError, match="float8"):
+        mp.logp_output_processor(output_layer=gpt.output_layer, output_weight=w.detach().to(torch.float8_e4m3fn),
+                                 **call)
+    with pytest.raises(mp.UnsupportedMegatronConfigError, match="bf16"):
+        mp.logp_output_processor(output_layer=gpt.output_layer, output_weight=w.detach().float(), **call)
+
+    class MXFP8LMHead(ColumnParallelLinear):          # stands for TELMHeadColumnParallelLinear and kin
+        pass
+
+    head = copy.copy(gpt.output_layer)
+    head.__class__ = MXFP8LMHead
+    with pytest.raises(mp.UnsupportedMegatronConfigError, match="MXFP8LMHead"):
+        mp.logp_output_processor(output_layer=head, **call)
+    with pytest.raises(mp.UnsupportedMegatronConfigError, match="bf16"):
+        mp.logp_output_processor(output_layer=gpt.output_layer, **dict(call, hidden_states=h.float()))
+
+
+def test_strict_mode(tied):
+    wrapped, _ = tied
+    ids, pos, mask, labels = ms.batch(B, S, REAL)
+    set_config(Config(strict=True))
+    with pytest.raises(StrictModeError):
+        mp.enable(wrapped, mp.LogpSettings(backend="torch"))
+    mp.configure("contract")                           # no real vocab size: strict refuses to guess
+    mp.install()
+    with torch.no_grad(), pytest.raises(ContractInputError, match="--logp-vocab-size"):
+        wrapped(ids, pos, mask, labels=labels)
+    set_config(Config(strict=False))
+    mp.configure("torch", vocab_size=REAL)             # the ordinary path, allowed when not strict
+    with torch.no_grad():
+        t = wrapped(ids, pos, mask, labels=labels)
+    mp.configure("contract", vocab_size=REAL)
+    with torch.no_grad():
+        c = wrapped(ids, pos, mask, labels=labels)
+    assert t.provenance.backend == "torch" and not t.provenance.contract_bearing
+    assert torch.allclose(t.logp, c.logp, atol=1e-3, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fingerprint and weight version
+# ---------------------------------------------------------------------------------------------------------
+
+def test_fingerprint_after_optimizer_step():
+    wrapped, gpt = ms.build_tiny_gpt(vocab_size=PADDED, tied=True, seed=21)
+    mp.configure("contract", vocab_size=REAL)
+    mp.install()
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+    fp = mp.track_lm_head(wrapped, opt)
+    first = fp.fingerprint
+    assert fp.version == 0
+    assert first == fused_logp.weight_fingerprint(_lm_head(gpt).detach(), vocab_size=REAL)
+    assert fp.check_rollout(first, rollout_weight_version=0)
+
+    ids, pos, mask, labels = ms.batch(B, S, REAL)
+    out = wrapped(ids, pos, mask, labels=labels)
+    loss, _, _ = mp.logp_loss_func(None, out)
+    loss.backward()
+    assert _lm_head(gpt).grad is not None and gpt.decoder.layers[0].mlp.linear_fc1.weight.grad is not None
+    opt.step()
+    assert fp.version == 1 and fp.fingerprint != first
+    assert fp.fingerprint == fused_logp.weight_fingerprint(_lm_head(gpt).detach(), vocab_size=REAL)
+    assert fp.check_rollout(fp.fingerprint)
+    assert not fp.check_rollout(fp.fingerprint, rollout_weight_version=0)
+    assert not fp.check_rollout(first, strict=False)
+    set_config(Config(strict=True))
+    with pytest.raises(FingerprintMismatchError, match="mismatch"):
+        fp.check_rollout(first)
+    fp.detach()
+    opt.step()
+    assert fp.version == 1
+
+
+def test_fingerprint_with_megatron_style_step(untied):
+    """An optimizer whose step() returns Megatron's (update_successful, grad_norm, num_zeros)."""
+    _, gpt = untied
+    mp.configure("contract", vocab_size=REAL)
+
+    class Opt:
+        ok = True
+
+        def step(self):
+            with torch.no_grad():
+                gpt.output_layer.weight[0, 0] += 1.0
+            return self.ok, 0.0, 0
+
+    opt = Opt()
+    fp = mp.track_lm_head(gpt, opt)
+    first = fp.fingerprint
+    opt.ok = False
+    assert opt.step()[0] is False and fp.version == 0 and fp.fingerprint == first   # skipped step: not counted
+    with torch.no_grad():
+        gpt.output_layer.weight[0, 0] -= 1.0
+    opt.ok = True
+    opt.step()
+    assert fp.version == 1 and fp.fingerprint != first
+    fp.detach()
+    assert "step" not in vars(opt)
+    with torch.no_grad():
+        gpt.output_layer.weight[0, 0] -= 1.0
