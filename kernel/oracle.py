@@ -23,51 +23,56 @@ _TILE = C.VOCAB_TILE
 _KG = C.K_GROUP
 _FRAC = C.ALIGN_FRAC_BITS
 _ACC_BITS = C.ACC_SIGNIFICAND_BITS
-# Elements of one [rows, cols, 16] float64 work block (about 8 MiB): keeps the emulation in cache.
-_BLOCK_ELEMS = 1 << 20
+# Elements of one [rows, cols, 16] float64 work block (512 KiB): keeps the emulation in cache.
+_BLOCK_ELEMS = 1 << 16
+# Clears the 29 low mantissa bits of a float64: truncation toward zero to a 24-bit significand.
+_F64_TO_F32_GRID = ~((1 << 29) - 1)
 
 
 def _nominal_exponent_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Exponent e of x = s * 2^e with s in [1, 2); subnormals and zero take e = -126. [..] int32."""
+    """Exponent e of x = s * 2^e with s in [1, 2); subnormals and zero take e = -126. int16, same shape."""
     field = (x.view(torch.int16).to(torch.int32) >> 7) & 0xFF
-    return torch.clamp(field, min=1) - 127
+    return (torch.clamp(field, min=1) - 127).to(torch.int16)
 
 
-def _nominal_exponent_f32(x: torch.Tensor) -> torch.Tensor:
-    field = (x.view(torch.int32) >> 23) & 0xFF
-    return torch.clamp(field, min=1) - 127
+def _nominal_exponent_f64(x: torch.Tensor) -> torch.Tensor:
+    """The binary32 nominal exponent of float64 values that lie on the binary32 grid (zero: -126). int16."""
+    return (((x.view(torch.int64) >> 52) & 0x7FF) - 1023).clamp_(min=-126).to(torch.int16)
 
 
 def _trunc_to_f32_grid(v: torch.Tensor) -> torch.Tensor:
     """Truncate float64 values toward zero onto the binary32 grid (24-bit significand, subnormal floor)."""
+    tiny = (v.abs() < 2.0 ** -126) & (v != 0)
+    if not bool(tiny.any()):
+        return (v.view(torch.int64) & _F64_TO_F32_GRID).view(torch.float64)
     mant, exp = torch.frexp(v)                         # v = mant * 2^exp, |mant| in [0.5, 1)
     keep = torch.clamp(exp + 149, max=_ACC_BITS)       # significant bits available at this exponent
-    scaled = torch.trunc(torch.ldexp(mant, keep))
-    return torch.ldexp(scaled, exp - keep)
+    return torch.ldexp(torch.trunc(torch.ldexp(mant, keep)), exp - keep)
 
 
 def hopper_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """z = hidden @ weight.T under the Hopper k16 rule. hidden [N, D] bf16, weight [V, D] bf16 -> [N, V] fp32."""
     n, d = hidden.shape
     v = weight.shape[0]
+    g = d // _KG
     h = hidden.detach().cpu().contiguous()
     w = weight.detach().cpu().contiguous()
     finite_h = torch.isfinite(h).all(dim=1)
     finite_w = torch.isfinite(w).all(dim=1)
     h_clean = torch.where(torch.isfinite(h), h, torch.zeros((), dtype=h.dtype))
     w_clean = torch.where(torch.isfinite(w), w, torch.zeros((), dtype=w.dtype))
-    ha = h_clean.to(torch.float64).view(n, d // _KG, _KG)
-    wa = w_clean.to(torch.float64).view(v, d // _KG, _KG)
-    he = _nominal_exponent_bf16(h_clean).view(n, d // _KG, _KG)
-    we = _nominal_exponent_bf16(w_clean).view(v, d // _KG, _KG)
+    ha = h_clean.to(torch.float64).view(n, g, _KG)                                   # [N, G, 16]
+    he = _nominal_exponent_bf16(h_clean).view(n, g, _KG)
+    wa = w_clean.to(torch.float64).view(v, g, _KG).transpose(0, 1).contiguous()      # [G, V, 16]
+    we = _nominal_exponent_bf16(w_clean).view(v, g, _KG).transpose(0, 1).contiguous()
     out = torch.empty(n, v, dtype=torch.float32)
-    cols = max(1, min(v, _BLOCK_ELEMS // (_KG * max(1, min(n, 64)))))
+    cols = max(1, min(v, _BLOCK_ELEMS // (_KG * max(1, min(n, 16)))))
     rows = max(1, min(n, _BLOCK_ELEMS // (_KG * cols)))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
-            out[r0:r1, c0:c1] = _hopper_block(ha[r0:r1], he[r0:r1], wa[c0:c1], we[c0:c1])
+            out[r0:r1, c0:c1] = _hopper_block(ha[r0:r1], he[r0:r1], wa[:, c0:c1], we[:, c0:c1])
     if not (bool(finite_h.all()) and bool(finite_w.all())):
         bad = ~(finite_h[:, None] & finite_w[None, :])
         ieee = (h.to(torch.float64) @ w.to(torch.float64).T).to(torch.float32)
@@ -76,19 +81,20 @@ def hopper_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _hopper_block(ha, he, wa, we) -> torch.Tensor:
-    """One [rows, cols] block. ha [R, G, 16] f64, he [R, G, 16] i32, wa [Cc, G, 16], we [Cc, G, 16]."""
+    """One [rows, cols] block. ha [R, G, 16] f64, he [R, G, 16] i16, wa [G, Cc, 16] f64, we [G, Cc, 16] i16."""
     r, groups, _ = ha.shape
-    cc = wa.shape[0]
+    cc = wa.shape[1]
     acc = torch.zeros(r, cc, dtype=torch.float64)
-    acc_e = torch.full((r, cc), -126, dtype=torch.int32)
+    acc_e = torch.full((r, cc), -126, dtype=torch.int16)
     for g in range(groups):
-        e = he[:, None, g, :] + we[None, :, g, :]                       # [R, Cc, 16] nominal exponents
-        emax = torch.maximum(e.amax(dim=-1), acc_e)                     # [R, Cc]
+        e = he[:, None, g, :] + we[None, g]                                  # [R, Cc, 16] nominal exponents
+        emax = torch.maximum(e.amax(dim=-1), acc_e).to(torch.int32)          # [R, Cc]
         scale = torch.ldexp(torch.ones(emax.shape, dtype=torch.float64), _FRAC - emax)
-        prod = ha[:, None, g, :] * wa[None, :, g, :]                    # exact in float64
-        total = torch.trunc(prod * scale[..., None]).sum(dim=-1) + torch.trunc(acc * scale)
+        terms = ha[:, None, g, :] * wa[None, g]                              # exact products
+        terms.mul_(scale[..., None]).trunc_()                                # aligned, truncated toward zero
+        total = terms.sum(dim=-1).add_(torch.trunc(acc * scale))             # exact integer sum
         acc = _trunc_to_f32_grid(torch.ldexp(total, emax - _FRAC))
-        acc_e = _nominal_exponent_f32(acc.to(torch.float32))
+        acc_e = _nominal_exponent_f64(acc)
     return acc.to(torch.float32)
 
 
