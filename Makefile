@@ -27,7 +27,7 @@ test-slow: $(STAMP)
 
 # On the H200: the GPU tests and the benchmark (see README).
 test-gpu:
-	$(PYTHON) -m pytest -q -ra -m "gpu or not slow" tests/test_sm90.py
+	$(PYTHON) -m pytest -q -ra -m gpu tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,8 +9,11 @@ Forward bytes come from the contract op; the backward recomputes logits chunk by
     dh     = sum_v dz_v W_v      dW_v = sum_n dz_v h      db_v = sum_n dz_v
 
 Gradient bytes are not part of the contract, but they are deterministic: chunks are visited in ascending
-vocabulary order, no atomics. On the CPU each row's hidden gradient is computed as its own vector-matrix
-product, so it is independent of the batch it is in. Under tensor parallelism a shard's call returns the
+vocabulary order, no atomics. On the CPU the arithmetic is FP32 and each row's hidden gradient is its own
+vector-matrix product, so it is independent of the batch it is in. On CUDA with bf16 inputs the three GEMMs per
+chunk take bf16 operands with FP32 accumulation (dz is rounded to bf16 once, as the GEMM operand), which is what
+makes the backward run at GEMM speed; the hidden gradient accumulates across chunks in FP32, and the weight
+gradient is written in bf16. Extra memory: two [N, chunk] FP32 buffers and the [N, D] FP32 accumulator. Under tensor parallelism a shard's call returns the
 *partial* hidden gradient of its rows of W; the caller reduces it exactly once over the TP group (Megatron's
 `copy_to_tensor_model_parallel_region` on the output layer's input does exactly that).
 """
@@ -24,39 +27,43 @@ _CHUNK = 8192
 def logp_grads(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, *, vocab_start: int, n_real: int,
                chunk: int = _CHUNK):
     """hidden [N, D], weight [V_local, D], bias [V_local] or None, targets/temperature/lse/g_logp/g_lse [N].
-    Returns (dh [N, D], dW [V_local, D], db [V_local] or None) in the compute dtype (FP32, or FP64 if given)."""
+    Returns (dh [N, D], dW [V_local, D], db [V_local] or None); dh and db in FP32 (FP64 for FP64 inputs)."""
+    fast = hidden.is_cuda and hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
     dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     n, d = hidden.shape
-    h = hidden.to(dt)
-    temp = temperature.to(dt)
-    lse = lse.to(dt)
-    g_logp = torch.zeros(n, dtype=dt, device=h.device) if g_logp is None else g_logp.to(dt)
-    g_lse = torch.zeros(n, dtype=dt, device=h.device) if g_lse is None else g_lse.to(dt)
-    dh = torch.zeros(n, d, dtype=dt, device=h.device)
-    dw = torch.zeros(weight.shape[0], d, dtype=dt, device=h.device)
-    db = torch.zeros(weight.shape[0], dtype=dt, device=h.device) if bias is not None else None
+    dev = hidden.device
+    temp = temperature.to(dt)[:, None]
+    lse = lse.to(dt)[:, None]
+    g_logp = torch.zeros(n, dtype=dt, device=dev) if g_logp is None else g_logp.to(dt)
+    g_lse = torch.zeros(n, dtype=dt, device=dev) if g_lse is None else g_lse.to(dt)
+    coef = (g_lse - g_logp)[:, None]
+    h = hidden if fast else hidden.to(dt)
+    dh = torch.zeros(n, d, dtype=dt, device=dev)
+    dw = torch.zeros(weight.shape, dtype=weight.dtype if fast else dt, device=dev)
+    db = torch.zeros(weight.shape[0], dtype=dt, device=dev) if bias is not None else None
     local_t = targets - vocab_start
-    rows = torch.arange(n, device=h.device)
-    per_row = h.device.type == "cpu"
+    rows = torch.arange(n, device=dev)
     for c0 in range(0, n_real, chunk):
         c1 = min(n_real, c0 + chunk)
-        w = weight[c0:c1].to(dt)                                   # [C, D]
-        z = h @ w.T                                                # [N, C]
+        w = weight[c0:c1] if fast else weight[c0:c1].to(dt)              # [C, D]
+        z = torch.mm(h, w.T, out_dtype=torch.float32) if fast else h @ w.T   # [N, C]
         if bias is not None:
-            z = z + bias[c0:c1].to(dt)
-        p = torch.exp(z / temp[:, None] - lse[:, None])
-        dzs = (g_lse - g_logp)[:, None] * p
+            z += bias[c0:c1].to(dt)
+        p = torch.exp(z.div_(temp).sub_(lse))
+        dzs = p.mul_(coef)
         own = (local_t >= c0) & (local_t < c1)
         dzs[rows[own], (local_t[own] - c0)] += g_logp[own]
-        dz = dzs / temp[:, None]                                   # [N, C]
-        if per_row:
-            for i in range(n):
-                dh[i] += torch.mv(w.T, dz[i])
-        else:
-            dh += dz @ w
-        dw[c0:c1] = dz.T @ h
+        dz = dzs.div_(temp)                                                # [N, C]
         if db is not None:
             db[c0:c1] = dz.sum(dim=0)
+        if fast:
+            dzb = dz.to(torch.bfloat16)
+            dh += torch.mm(dzb, w, out_dtype=torch.float32)
+            dw[c0:c1] = torch.mm(dzb.T, h)
+        else:
+            for i in range(n):
+                dh[i] += torch.mv(w.T, dz[i])
+            dw[c0:c1] = dz.T @ h
     return dh, dw, db
 
 
