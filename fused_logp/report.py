@@ -1,0 +1,105 @@
+"""Agreement statistics, the drift report (Markdown + JSON) and its plots.
+
+K3 per token is rho - 1 - log(rho) with rho = exp(logp_train - logp_rollout), computed in float64 from the
+two FP32 logprobs; it is exactly 0 when the bytes agree.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def compare(rollout: np.ndarray, train: np.ndarray) -> dict:
+    """Agreement of two per-token logprob arrays (FP32): mismatches by bytes, max |delta|, K3."""
+    a = np.asarray(rollout, dtype=np.float32).ravel()
+    b = np.asarray(train, dtype=np.float32).ravel()
+    mism = int((a.view(np.int32) != b.view(np.int32)).sum())
+    delta = b.astype(np.float64) - a.astype(np.float64)
+    k3 = np.expm1(delta) - delta                                   # rho - 1 - log(rho)
+    return {"tokens": int(a.size), "mismatches": mism, "max_abs_delta": float(np.abs(delta).max()) if a.size else 0.0,
+            "mean_abs_delta": float(np.abs(delta).mean()) if a.size else 0.0,
+            "k3_mean": float(k3.mean()) if a.size else 0.0, "k3_max": float(k3.max()) if a.size else 0.0}
+
+
+def agreement_table(rows: dict) -> str:
+    """rows: name -> compare() dict. A fixed-width table for the terminal."""
+    head = f"{'comparison':58s} {'tokens':>7s} {'mismatch':>9s} {'max|dlogp|':>11s} {'K3 mean':>10s} {'K3 max':>10s}"
+    lines = [head, "-" * len(head)]
+    for name, r in rows.items():
+        lines.append(f"{name:58s} {r['tokens']:7d} {r['mismatches']:9d} {r['max_abs_delta']:11.3g} "
+                     f"{r['k3_mean']:10.3g} {r['k3_max']:10.3g}")
+    return "\n".join(lines)
+
+
+def plot_drift(out_dir, series: dict, positions: np.ndarray) -> list[str]:
+    """series: label -> (rollout logp, train logp). Writes the CDF of |dlogp|, drift by position and K3."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, (a, b) in series.items():
+        d = np.sort(np.abs(np.asarray(b, np.float64) - np.asarray(a, np.float64)).ravel())
+        frac_zero = float((d == 0).mean())
+        nz = d[d > 0]
+        if nz.size:
+            ax.step(nz, frac_zero + np.arange(1, nz.size + 1) / d.size, where="post", label=f"{label}")
+        else:
+            ax.axhline(1.0, label=f"{label}: all {d.size} tokens exactly equal", linestyle="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("|logp_train - logp_rollout| per token (log scale; exact zeros sit at the curve's start)")
+    ax.set_ylabel("fraction of tokens")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Rollout vs trainer logprob drift (CDF)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(str(out / "drift_cdf.png"))
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    pos = np.asarray(positions).ravel()
+    for label, (a, b) in series.items():
+        d = np.abs(np.asarray(b, np.float64) - np.asarray(a, np.float64)).ravel()
+        ups = np.unique(pos)
+        ax.plot(ups, [d[pos == p].max() for p in ups], marker=".", label=label)
+    ax.set_xlabel("token position in the sequence")
+    ax.set_ylabel("max |dlogp| at that position")
+    ax.set_title("Drift by position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(str(out / "drift_by_position.png"))
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, (a, b) in series.items():
+        delta = np.asarray(b, np.float64).ravel() - np.asarray(a, np.float64).ravel()
+        ax.plot(np.expm1(delta) - delta, marker=".", linestyle="none", label=label)
+    ax.set_xlabel("token index")
+    ax.set_ylabel("K3 = rho - 1 - log rho")
+    ax.set_title("Per-token K3")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(str(out / "k3.png"))
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    return files
+
+
+def write_report(out_dir, title: str, table_rows: dict, extra: dict, plots: list[str]) -> tuple[str, str]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"title": title, "comparisons": table_rows, **extra, "plots": [Path(p).name for p in plots]}
+    (out / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    md = [f"# {title}", "", "```", agreement_table(table_rows), "```", ""]
+    for key, val in extra.items():
+        md += [f"## {key}", "", "```", json.dumps(val, indent=2, default=str), "```", ""]
+    md += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    return str(out / "report.md"), str(out / "report.json")
