@@ -318,3 +318,28 @@ def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backe
     logp, lse = be.stats_from_logits(logits[:, :vocab_size].contiguous(), targets, temperature=temp,
                                      vocab_size=vocab_size)
     return LogpResult(logp, lse, None, prov)
+
+
+def linear_logp_program(hidden, weight, targets, program, *, vocab_size=None, rows_per_chunk=64, backend=None,
+                        strict=None) -> LogpResult:
+    """Trainer side of the sampling-transform program: logp of each target under `program` (temperature,
+    top-k, top-p, min-p), from the op's FP32 logits computed `rows_per_chunk` rows at a time (memory
+    [rows_per_chunk, V] FP32, never [N, V]). A target outside its row's kept set raises ContractInputError."""
+    from .transforms import program_logp_from_logits
+
+    _check_hidden_weight(hidden, weight)
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    _check_vocab(vocab_size, weight.shape[0])
+    targets = _check_targets(targets, hidden.shape[0], vocab_size, hidden.device)
+    logps, lses, prov = [], [], None
+    for r0 in range(0, hidden.shape[0], rows_per_chunk):
+        res = linear_logp(hidden[r0:r0 + rows_per_chunk], weight, targets[r0:r0 + rows_per_chunk],
+                          return_logits=True, vocab_size=vocab_size, backend=backend, strict=strict)
+        lp, ls, _ = program_logp_from_logits(res.logits, targets[r0:r0 + rows_per_chunk], program)
+        logps.append(lp)
+        lses.append(ls)
+        prov = res.provenance
+    if prov is None:
+        _, prov = _resolve(backend, strict, hidden.device)
+    empty = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+    return LogpResult(torch.cat(logps) if logps else empty, torch.cat(lses) if lses else empty, None, prov)

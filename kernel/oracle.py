@@ -102,24 +102,25 @@ def _hopper_block(ha, he, wa, we) -> torch.Tensor:
 # Tile statistics and the row merge (numpy binary32)
 # ---------------------------------------------------------------------------------------------------------
 
-def tile_stats(z: np.ndarray, temperature: np.ndarray, n_real: int):
+def tile_stats(z: np.ndarray, temperature: np.ndarray, n_real: int, keep: np.ndarray | None = None):
     """Statistics of consecutive global tiles. z [N, n_real] fp32 unscaled logits (+bias) starting on a tile
-    boundary; temperature [N] fp32. Returns (tile_max [N, nt], tile_sum [N, nt], zs [N, n_real] scaled)."""
+    boundary; temperature [N] fp32; keep [N, n_real] bool or None: lanes not kept are treated exactly like
+    padding (the sampling-transform program's kept set). Returns (tile_max [N, nt], tile_sum [N, nt],
+    zs [N, n_real] scaled)."""
     n = z.shape[0]
     nt = -(-n_real // _TILE)
     with np.errstate(invalid="ignore", over="ignore"):
         zs = (z[:, :n_real] / temperature[:, None]).astype(np.float32)
-        padded = np.full((n, nt * _TILE), -np.inf, dtype=np.float32)
-        padded[:, :n_real] = zs
-        tiles = padded.reshape(n, nt, _TILE)
-        real = np.zeros(nt * _TILE, dtype=bool)
-        real[:n_real] = True
-        real = real.reshape(nt, _TILE)
+        real = np.zeros((n, nt * _TILE), dtype=bool)
+        real[:, :n_real] = True if keep is None else keep
+        tiles = np.where(real, np.pad(zs, ((0, 0), (0, nt * _TILE - n_real))), np.float32(-np.inf))
+        tiles = tiles.astype(np.float32).reshape(n, nt, _TILE)
+        real = real.reshape(n, nt, _TILE)
         tmax = tiles.max(axis=-1)
-        nonfinite = (~np.isfinite(tiles) & real[None]).any(axis=-1)
+        nonfinite = (~np.isfinite(tiles) & real).any(axis=-1)
         tmax = np.where(nonfinite, np.float32(np.nan), tmax).astype(np.float32)
         lanes = contract_exp(tiles - tmax[..., None])
-        lanes = np.where(real[None], lanes, np.float32(0.0)).astype(np.float32)
+        lanes = np.where(real, lanes, np.float32(0.0)).astype(np.float32)
         while lanes.shape[-1] > 1:                                        # adjacent-pairwise tree, 6 levels
             lanes = (lanes[..., 0::2] + lanes[..., 1::2]).astype(np.float32)
         tsum = lanes[..., 0]

@@ -33,6 +33,8 @@ ALIGN_FRAC_BITS = 25
 ACC_SIGNIFICAND_BITS = 24
 # Weight fingerprint construction id (a change detector, not a cryptographic commitment).
 FINGERPRINT_ID = "rowhash-sum-mod2^64x2-v1"
+# The sampling-transform program (temperature -> top-k -> top-p -> min-p), versioned like the contract.
+TRANSFORM_PROGRAM_VERSION = "transform-program-v1"
 
 # --- the contract's exp (x <= 0 domain used by the contract; defined for all binary32) ---------------------
 # n = round-to-nearest-even(x * LOG2E) via the 1.5*2^23 shifter; r = (x - n*LN2_HI) - n*LN2_LO;
@@ -83,6 +85,7 @@ _ALL = {
     "ALIGN_FRAC_BITS": ALIGN_FRAC_BITS,
     "ACC_SIGNIFICAND_BITS": ACC_SIGNIFICAND_BITS,
     "FINGERPRINT_ID": FINGERPRINT_ID,
+    "TRANSFORM_PROGRAM_VERSION": TRANSFORM_PROGRAM_VERSION,
 }
 CONSTANTS = MappingProxyType(_ALL)
 
