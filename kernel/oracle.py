@@ -11,7 +11,6 @@ Statistics (CONTRACT.md sections 3-5) run in numpy binary32, one rounded operati
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch

@@ -64,7 +64,7 @@ def gather_context_parallel(x, cp_group=None):
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(cp)]
     dist.all_gather(parts, x, group=cp_group)
-    b, s_local = x.shape[0], x.shape[1]
+    s_local = x.shape[1]
     half = s_local // 2
     chunks = [None] * (2 * cp)
     for r, p in enumerate(parts):

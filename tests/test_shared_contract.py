@@ -1,13 +1,12 @@
 """shared_contract: constants cannot be overridden, provenance carries every field, config and registry rules,
 and the weight fingerprint's invariances."""
-import dataclasses
 
 import pytest
 import torch
 
 from fused_logp import CONTRACT_VERSION, linear_logp, weight_fingerprint
 from fused_logp.shared_contract import constants as C
-from fused_logp.shared_contract.config import Config, get_config, load_config, set_config
+from fused_logp.shared_contract.config import get_config, load_config, set_config
 from fused_logp.shared_contract.constants import ContractOverrideError
 from fused_logp.shared_contract.errors import StrictModeError
 from fused_logp.shared_contract.registry import select_backend

