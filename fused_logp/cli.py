@@ -78,8 +78,22 @@ def demo(args) -> int:
     print("logp[:4]:", [f"{x:.6f}" for x in ref.logp[:4].tolist()])
     print("provenance:", json.dumps(ref.provenance.to_dict(), indent=2, sort_keys=True))
     failed = [n for n, ok in checks if not ok]
-    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    print(f"op checks: {len(checks) - len(failed)} passed, {len(failed)} failed")
+    if args.op_only:
+        return 1 if failed else 0
+    print()
+    print("main job: vLLM rollout -> Megatron trainer on a tiny random Qwen3 (three processes)")
+    code = agreement(args)
+    return 1 if failed else code
+
+
+def agreement(args) -> int:
+    from .agreement import run
+    res = run(args.out, strict=args.strict)
+    if not res["ok"]:
+        print("FAIL: the contract's logp half disagrees or the weight fingerprints differ")
+        return 1 if args.strict else 0
+    return 0
 
 
 def ladder(args) -> int:
@@ -106,7 +120,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fused-logp", description=__doc__)
     p.add_argument("--config", help="YAML configuration (strict: true|false, backend: ...)")
     sub = p.add_subparsers(dest="cmd")
-    sub.add_parser("demo", help="run the op on the embedded default and print the checks it passed")
+    d = sub.add_parser("demo", help="op checks on the embedded default, then the rollout -> trainer agreement job")
+    d.add_argument("--op-only", action="store_true", help="only the op's own checks")
+    ag = sub.add_parser("agreement", help="the rollout -> trainer agreement job alone")
+    for sp in (d, ag):
+        sp.add_argument("--out", default="out/agreement", help="folder for the report, plots and step logs")
+        sp.add_argument("--no-strict", dest="strict", action="store_false",
+                        help="do not fail on a mismatch (default: strict, non-zero exit on any mismatch)")
     lad = sub.add_parser("ladder", help="run L1-L3 and the golden fingerprints on every backend here; write a report")
     lad.add_argument("--out", default="out/ladder", help="folder for ladder.md and ladder.json")
     gold = sub.add_parser("golden", help="print (or --write) the golden fingerprints of a backend")
@@ -115,8 +135,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.config:
         set_config(load_config(args.config))
-    cmd = args.cmd or "demo"
-    return {"demo": demo, "ladder": ladder, "golden": golden}[cmd](args)
+    if args.cmd is None:
+        args = p.parse_args(["demo"] + list(argv or []))
+    return {"demo": demo, "agreement": agreement, "ladder": ladder, "golden": golden}[args.cmd](args)
 
 
 if __name__ == "__main__":

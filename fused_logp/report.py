@@ -25,10 +25,10 @@ def compare(rollout: np.ndarray, train: np.ndarray) -> dict:
 
 def agreement_table(rows: dict) -> str:
     """rows: name -> compare() dict. A fixed-width table for the terminal."""
-    head = f"{'comparison':58s} {'tokens':>7s} {'mismatch':>9s} {'max|dlogp|':>11s} {'K3 mean':>10s} {'K3 max':>10s}"
+    head = f"{'comparison':66s} {'tokens':>7s} {'mismatch':>9s} {'max|dlogp|':>11s} {'K3 mean':>10s} {'K3 max':>10s}"
     lines = [head, "-" * len(head)]
     for name, r in rows.items():
-        lines.append(f"{name:58s} {r['tokens']:7d} {r['mismatches']:9d} {r['max_abs_delta']:11.3g} "
+        lines.append(f"{name:66s} {r['tokens']:7d} {r['mismatches']:9d} {r['max_abs_delta']:11.3g} "
                      f"{r['k3_mean']:10.3g} {r['k3_max']:10.3g}")
     return "\n".join(lines)
 
@@ -50,7 +50,7 @@ def plot_drift(out_dir, series: dict, positions: np.ndarray) -> list[str]:
         if nz.size:
             ax.step(nz, frac_zero + np.arange(1, nz.size + 1) / d.size, where="post", label=f"{label}")
         else:
-            ax.axhline(1.0, label=f"{label}: all {d.size} tokens exactly equal", linestyle="--")
+            ax.axhline(1.0, label=f"{label}: all {d.size} tokens exactly equal", linestyle="--", color="black")
     ax.set_xscale("log")
     ax.set_xlabel("|logp_train - logp_rollout| per token (log scale; exact zeros sit at the curve's start)")
     ax.set_ylabel("fraction of tokens")
