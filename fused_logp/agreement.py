@@ -13,7 +13,6 @@ Each engine runs in its own process (as in a real RL system); they exchange only
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

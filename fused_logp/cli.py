@@ -96,6 +96,25 @@ def agreement(args) -> int:
     return 0
 
 
+def rl(args) -> int:
+    from .rl_loop import run_loop
+    res = run_loop(args.out, steps=args.steps, strict=args.strict, stale_at=args.stale_at)
+    print(f"{'step':>4} {'version':>7} {'fp equal':>8} {'reward':>7} {'contract half':>14} {'ordinary half':>14} "
+          f"{'contract e2e max|d|':>20} {'ordinary e2e max|d|':>20}")
+    for r in res["steps"]:
+        if "contract_half" not in r:
+            continue
+        print(f"{r['step']:4d} {r['trainer_version']:7d} {str(r['fingerprints_equal']):>8} {r['reward']:7.3f} "
+              f"{r['contract_half']['mismatches']:>6d} / {r['contract_half']['max_abs_delta']:<5.2g} "
+              f"{r['ordinary_half']['mismatches']:>6d} / {r['ordinary_half']['max_abs_delta']:<5.2g} "
+              f"{r['contract_end_to_end']['max_abs_delta']:20.3g} {r['ordinary_end_to_end']['max_abs_delta']:20.3g}")
+    print(f"report: {args.out}/rl.json, {args.out}/rl_steps.png")
+    if res["stopped"]:
+        print(f"STOPPED: {res['stopped']}")
+        return 1
+    return 0
+
+
 def ladder(args) -> int:
     from .ladder import run_ladder
     rep = run_ladder(args.out)
@@ -127,6 +146,11 @@ def main(argv=None) -> int:
         sp.add_argument("--out", default="out/agreement", help="folder for the report, plots and step logs")
         sp.add_argument("--no-strict", dest="strict", action="store_false",
                         help="do not fail on a mismatch (default: strict, non-zero exit on any mismatch)")
+    rlp = sub.add_parser("rl", help="a short on-policy RL loop (vLLM rollout, Megatron step, weight sync), strict")
+    rlp.add_argument("--steps", type=int, default=5)
+    rlp.add_argument("--out", default="out/rl")
+    rlp.add_argument("--no-strict", dest="strict", action="store_false")
+    rlp.add_argument("--stale-at", type=int, default=None, help="skip the weight push before this step (a test)")
     lad = sub.add_parser("ladder", help="run L1-L3 and the golden fingerprints on every backend here; write a report")
     lad.add_argument("--out", default="out/ladder", help="folder for ladder.md and ladder.json")
     gold = sub.add_parser("golden", help="print (or --write) the golden fingerprints of a backend")
@@ -137,7 +161,7 @@ def main(argv=None) -> int:
         set_config(load_config(args.config))
     if args.cmd is None:
         args = p.parse_args(["demo"] + list(argv or []))
-    return {"demo": demo, "agreement": agreement, "ladder": ladder, "golden": golden}[args.cmd](args)
+    return {"demo": demo, "agreement": agreement, "rl": rl, "ladder": ladder, "golden": golden}[args.cmd](args)
 
 
 if __name__ == "__main__":
