@@ -138,7 +138,8 @@ def test_offline_logprobs_equal_op(llm, model_dir):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+    {"top_k": 5, "presence_penalty": 0.5}, {"top_p": 0.9, "logit_bias": {5: 1.0}}, {"min_p": 0.1, "min_tokens": 2},
+    {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
     {"repetition_penalty": 1.2}, {"logit_bias": {5: 1.0}}, {"allowed_token_ids": [1, 2, 3]},
     {"min_tokens": 2},
 ], ids=lambda k: next(iter(k)))
@@ -347,5 +348,8 @@ def test_server_completions_equal_op(server, model_dir):
         reqs.append((b["prompt"], b["temperature"], dicts, None, sampled))
     check_outputs(reqs, captured, lm_head_weight(model_dir))
 
-    code, r = _post(base + "/v1/completions", {"model": name, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5})
+    code, r = _post(base + "/v1/completions", {"model": name, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5,
+                                               "presence_penalty": 0.5})
     assert code == 400 and "strict mode refuses" in json.dumps(r)
+    code, r = _post(base + "/v1/completions", {"model": name, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5})
+    assert code == 200, r

@@ -40,12 +40,21 @@ class HeadState:
     weight_version: int = 0
     op_calls: int = 0
     rows_rescored: int = 0
+    rows_program: int = 0                                      # sampled rows drawn from a program's kept set
+    programs: dict = dataclasses.field(default_factory=dict)   # req_id -> program dict (bounded, newest last)
     fallback: str | None = None                                # why vLLM's own head ran, if it did
     captured: list = dataclasses.field(default_factory=list)
     lm_head: object = None                                    # weakref to the lm_head module
 
     def note(self, reasons):
         self.notes.update(reasons)
+
+    def record_programs(self, req_ids, programs, limit: int = 65536):
+        for rid, prog in zip(req_ids, programs):
+            if rid is not None and prog is not None and rid not in self.programs:
+                self.programs[rid] = prog.to_dict()
+        while len(self.programs) > limit:
+            self.programs.pop(next(iter(self.programs)))
 
 
 @dataclasses.dataclass

@@ -1,9 +1,11 @@
 """What contract v1 covers in a vLLM engine, and what strict mode refuses.
 
-The plugin reports log softmax(z / T) over the full real vocabulary, z the op's unscaled FP32 logits. Anything
-that makes vLLM sample from another distribution (truncation, penalties, biases, masks), changes z (soft-cap,
-scale, LoRA or quantized heads) or samples elsewhere (speculative decoding) is outside the contract: strict mode
-refuses it with StrictModeError, otherwise it runs with a warning and provenance that lists it.
+The plugin reports log softmax(z / T) over the full real vocabulary, z the op's unscaled FP32 logits, or, for a
+request with top-k / top-p / min-p, the logp under its sampling-transform program (CONTRACT.md section 13), whose
+kept set the sampler then draws from. Anything else that makes vLLM sample from another distribution (penalties,
+biases, masks, grammars), changes z (soft-cap, scale, LoRA or quantized heads) or samples elsewhere (speculative
+decoding) is outside the contract: strict mode refuses it with StrictModeError, otherwise it runs with a warning
+and provenance that lists it.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import logging
 
 import torch
 
+from ..kernel.transforms import TransformProgram
 from ..shared_contract.errors import StrictModeError
 
 log = logging.getLogger("fused_logp.vllm")
@@ -26,8 +29,11 @@ class StrictRequestError(_RequestError, StrictModeError):
     """A request that strict mode refuses (a vLLM validation error: the servers answer 400 Bad Request)."""
 
 
-def request_reasons(params) -> list[str]:
-    """Non-contract features of one SamplingParams."""
+_SAMPLING_EPS = 1e-5                  # vLLM: a temperature below this is greedy
+
+
+def transform_reasons(params) -> list[str]:
+    """The request's non-neutral top-k / top-p / min-p (vLLM's neutral values: top_k 0 or -1, top_p 1, min_p 0)."""
     r = []
     if params.top_k not in (0, -1):
         r.append(f"top_k={params.top_k}")
@@ -35,6 +41,33 @@ def request_reasons(params) -> list[str]:
         r.append(f"top_p={params.top_p}")
     if params.min_p != 0.0:
         r.append(f"min_p={params.min_p}")
+    return r
+
+
+def request_temperature(params) -> float:
+    """The temperature the plugin scores a request at: vLLM's, greedy (T < 1e-5) at 1."""
+    t = float(getattr(params, "temperature", 1.0) or 0.0)
+    return 1.0 if t < _SAMPLING_EPS else t
+
+
+def transform_program(params) -> TransformProgram | None:
+    """The sampling-transform program the plugin replays for a request: TransformProgram(temperature, top_k,
+    top_p, min_p) with vLLM's neutral values as None and greedy at T = 1. None when the request also uses
+    something the program cannot express (request_reasons): vLLM then samples as it would without the plugin,
+    and the recorded logprobs are the plain contract ones."""
+    if request_reasons(params):
+        return None
+    return TransformProgram(
+        temperature=request_temperature(params),
+        top_k=None if params.top_k in (0, -1) else int(params.top_k),
+        top_p=None if params.top_p == 1.0 else float(params.top_p),
+        min_p=None if params.min_p == 0.0 else float(params.min_p))
+
+
+def request_reasons(params) -> list[str]:
+    """Features of one SamplingParams that neither contract v1 nor the transform program covers. Non-neutral
+    top-k / top-p / min-p are listed only next to one of those (then vLLM applies them itself)."""
+    r = []
     if params.presence_penalty != 0.0:
         r.append(f"presence_penalty={params.presence_penalty}")
     if params.frequency_penalty != 0.0:
@@ -57,6 +90,8 @@ def request_reasons(params) -> list[str]:
         r.append("prompt_logprobs=-1 (full-vocabulary logprobs come from vLLM)")
     if getattr(params, "prompt_logprob_token_ids", None) is not None:
         r.append("prompt_logprob_token_ids (scored by vLLM)")
+    if r:
+        r += [f"{t} (applied by vLLM, not replayed)" for t in transform_reasons(params)]
     return r
 
 
@@ -115,7 +150,8 @@ def refuse_or_warn(reasons: list[str], *, strict: bool, where: str, error=Strict
     if not reasons:
         return
     msg = (f"fused_logp: {where} uses {', '.join(reasons)}, which contract v1 does not cover "
-           f"(the contract is log softmax(z / T) over the full real vocabulary, z the op's logits)")
+           f"(the contract is log softmax(z / T) over the full real vocabulary, z the op's logits, or the logp under "
+           f"a temperature/top-k/top-p/min-p transform program)")
     if strict:
         raise error(msg + "; strict mode refuses it. Remove it, or run with strict: false.")
     key = f"{where}:{sorted(reasons)}"
