@@ -33,6 +33,11 @@ def agreement_table(rows: dict) -> str:
     return "\n".join(lines)
 
 
+def _deltas(series: dict) -> dict:
+    return {label: np.asarray(b, np.float64).ravel() - np.asarray(a, np.float64).ravel()
+            for label, (a, b) in series.items()}
+
+
 def plot_drift(out_dir, series: dict, positions: np.ndarray) -> list[str]:
     """series: label -> (rollout logp, train logp). Writes the CDF of |dlogp|, drift by position and K3."""
     import matplotlib
@@ -41,54 +46,46 @@ def plot_drift(out_dir, series: dict, positions: np.ndarray) -> list[str]:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = []
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, (a, b) in series.items():
-        d = np.sort(np.abs(np.asarray(b, np.float64) - np.asarray(a, np.float64)).ravel())
-        frac_zero = float((d == 0).mean())
-        nz = d[d > 0]
-        if nz.size:
-            ax.step(nz, frac_zero + np.arange(1, nz.size + 1) / d.size, where="post", label=f"{label}")
-        else:
-            ax.axhline(1.0, label=f"{label}: all {d.size} tokens exactly equal", linestyle="--", color="black")
-    ax.set_xscale("log")
-    ax.set_xlabel("|logp_train - logp_rollout| per token (log scale; exact zeros sit at the curve's start)")
-    ax.set_ylabel("fraction of tokens")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("Rollout vs trainer logprob drift (CDF)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(str(out / "drift_cdf.png"))
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    deltas = _deltas(series)
     pos = np.asarray(positions).ravel()
-    for label, (a, b) in series.items():
-        d = np.abs(np.asarray(b, np.float64) - np.asarray(a, np.float64)).ravel()
-        ups = np.unique(pos)
-        ax.plot(ups, [d[pos == p].max() for p in ups], marker=".", label=label)
-    ax.set_xlabel("token position in the sequence")
-    ax.set_ylabel("max |dlogp| at that position")
-    ax.set_title("Drift by position")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(str(out / "drift_by_position.png"))
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, (a, b) in series.items():
-        delta = np.asarray(b, np.float64).ravel() - np.asarray(a, np.float64).ravel()
-        ax.plot(np.expm1(delta) - delta, marker=".", linestyle="none", label=label)
-    ax.set_xlabel("token index")
-    ax.set_ylabel("K3 = rho - 1 - log rho")
-    ax.set_title("Per-token K3")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(str(out / "k3.png"))
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    def cdf(ax):
+        for label, delta in deltas.items():
+            d = np.sort(np.abs(delta))
+            nz = d[d > 0]
+            if nz.size:
+                ax.step(nz, float((d == 0).mean()) + np.arange(1, nz.size + 1) / d.size, where="post", label=label)
+            else:
+                ax.axhline(1.0, label=f"{label}: all {d.size} tokens exactly equal", linestyle="--", color="black")
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+
+    def by_position(ax):
+        ups = np.unique(pos)
+        for label, delta in deltas.items():
+            ax.plot(ups, [np.abs(delta[pos == p]).max() for p in ups], marker=".", label=label)
+
+    def k3(ax):
+        for label, delta in deltas.items():
+            ax.plot(np.expm1(delta) - delta, marker=".", linestyle="none", label=label)
+
+    figures = [
+        ("drift_cdf.png", "Rollout vs trainer logprob drift (CDF)", cdf,
+         "|logp_train - logp_rollout| per token (log scale; exact zeros sit at the curve's start)", "fraction of tokens"),
+        ("drift_by_position.png", "Drift by position", by_position, "token position in the sequence",
+         "max |dlogp| at that position"),
+        ("k3.png", "Per-token K3", k3, "token index", "K3 = rho - 1 - log rho"),
+    ]
+    files = []
+    for name, title, draw, xlabel, ylabel in figures:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        draw(ax)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(str(out / name))
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
     return files
 
 
