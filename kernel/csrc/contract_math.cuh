@@ -64,6 +64,27 @@ __device__ __forceinline__ float contract_exp(float x) {
   return y;
 }
 
+// contract_exp for finite x <= 0 only (the tile sum's z' - m_t): the same operations and bits, without the
+// selects that cannot fire there (x > EXP_X_MAX, NaN) and with the clamp reduced to its lower end.
+__device__ __forceinline__ float contract_exp_nonpos(float x) {
+  const float xmin = bits(EXP_X_MIN);
+  float xc = fmaxf(x, xmin);
+  float k = __fsub_rn(__fadd_rn(__fmul_rn(xc, bits(EXP_LOG2E)), bits(EXP_SHIFTER)), bits(EXP_SHIFTER));
+  float r = __fsub_rn(__fsub_rn(xc, __fmul_rn(k, bits(EXP_LN2_HI))), __fmul_rn(k, bits(EXP_LN2_LO)));
+  float p = __fadd_rn(bits(EXP_POLY_C6), __fmul_rn(r, bits(EXP_POLY_C7)));
+  p = __fadd_rn(bits(EXP_POLY_C5), __fmul_rn(r, p));
+  p = __fadd_rn(bits(EXP_POLY_C4), __fmul_rn(r, p));
+  p = __fadd_rn(bits(EXP_POLY_C3), __fmul_rn(r, p));
+  p = __fadd_rn(bits(EXP_POLY_C2), __fmul_rn(r, p));
+  p = __fadd_rn(1.0f, __fmul_rn(r, p));
+  p = __fadd_rn(1.0f, __fmul_rn(r, p));
+  int n = __float2int_rz(k);
+  int n1 = n >> 1;
+  int n2 = n - n1;
+  float y = __fmul_rn(__fmul_rn(p, pow2i(n1)), pow2i(n2));
+  return (x < xmin) ? 0.0f : y;
+}
+
 // log(x): log(1) = 0 exactly, log(0) = -inf, log(+inf) = +inf, log(x < 0) = log(NaN) = NaN.
 __device__ __forceinline__ float contract_log(float x) {
   const bool sub = (x > 0.0f) && (x < __int_as_float(0x00800000));

@@ -1,0 +1,195 @@
+"""Forward timing of the SM90 linear_logp kernel against its peers at the Qwen3-8B lm_head shape.
+
+    python bench/benchmark_linear_logp.py [--n 1,16,256,2048,8192,16384] [--vocab 151936,76032] [--out DIR]
+
+Columns: cuBLAS bf16 GEMM alone (bf16 out, and FP32 out), cuBLAS FP32-out GEMM + FP32 log_softmax + gather,
+ours with return_logits off and on (SM90Backend called directly, no op-layer checks). Median of
+triton.testing.do_bench (CUDA events) after warm-up, two rotating hidden-state sets (the 1.24 GB weight is
+far larger than the L2). Peak extra memory = max_memory_allocated during one call minus the inputs.
+Liger and Apple CCE are reported as not installed when their packages are absent: nothing is substituted.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+
+import torch
+
+
+def _do_bench(fn, rep_ms):
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def _peak_extra(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def smoke():
+    """Every entry and launch variant once on a small ragged shape (N=70, D=208, V=1000 of 1088 rows)."""
+    from fused_logp.kernel.sm90 import VARIANTS, SM90Backend
+
+    be = SM90Backend()
+    ok, why = be.available()
+    if not ok:
+        sys.exit(f"sm90 backend unavailable: {why}")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    n, d, rows, v = 70, 208, 1088, 1000
+    h = torch.randn(n, d, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(rows, d, generator=g, device="cuda") * 0.1).to(torch.bfloat16)
+    b = torch.randn(rows, generator=g, device="cuda")
+    tg = torch.randint(0, v, (n,), generator=g, device="cuda")
+    t = torch.rand(n, generator=g, device="cuda") + 0.5
+    ref = None
+    for var in VARIANTS:
+        be.launch_variant = var
+        out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=True, vocab_size=v)
+        if ref is None:
+            ref = out
+        assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)), var
+    be.launch_variant = 0
+    st = be.shard_stats(h, w[512:].contiguous(), tg, vocab_start=512, vocab_size=v, bias=b[512:].contiguous(),
+                        temperature=t, return_logits=True)
+    be.stats_from_logits(ref[2], tg, temperature=t, vocab_size=v)
+    torch.cuda.synchronize()
+    print("smoke ok:", len(VARIANTS), "variants,", tuple(st["tile_max"].shape))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", default="1,16,256,2048,8192,16384")
+    ap.add_argument("--vocab", default="151936,76032")
+    ap.add_argument("--d", type=int, default=4096)
+    ap.add_argument("--rep", type=int, default=300, help="do_bench rep (ms)")
+    ap.add_argument("--variant", type=int, default=0)
+    ap.add_argument("--sweep", default="", help="extra launch variants to time, e.g. 1,2,3,17 (+16: mainloop only)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one small call per launch variant and entry, then exit (for compute-sanitizer / ncu)")
+    args = ap.parse_args()
+    if args.smoke:
+        return smoke()
+
+    from fused_logp.kernel.sm90 import SM90Backend
+
+    be = SM90Backend()
+    ok, why = be.available()
+    if not ok:
+        sys.exit(f"sm90 backend unavailable: {why}")
+    be.launch_variant = args.variant
+    dev = torch.device("cuda")
+    peers_missing = {name: importlib.util.find_spec(mod) is None
+                     for name, mod in (("liger", "liger_kernel"), ("cce", "cut_cross_entropy"))}
+    g = torch.Generator(device=dev).manual_seed(1234)
+    d = args.d
+    rows = []
+    for v in [int(x) for x in args.vocab.split(",")]:
+        w = (torch.randn(v, d, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+        for n in [int(x) for x in args.n.split(",")]:
+            hs = [(torch.randn(n, d, generator=g, device=dev)).to(torch.bfloat16) for _ in range(2)]
+            tg = torch.randint(0, v, (n,), generator=g, device=dev)
+            temp = torch.ones(n, device=dev)
+            it = [0]
+
+            def nxt():
+                it[0] ^= 1
+                return hs[it[0]]
+
+            def gemm_bf16():
+                return torch.mm(nxt(), w.t())
+
+            def gemm_f32():
+                return torch.mm(nxt(), w.t(), out_dtype=torch.float32)
+
+            def ref_logsoftmax():
+                z = torch.mm(nxt(), w.t(), out_dtype=torch.float32)
+                return torch.log_softmax(z / temp[:, None], dim=-1).gather(1, tg[:, None])
+
+            def ours():
+                return be.linear_logp(nxt(), w, tg, bias=None, temperature=temp, return_logits=False, vocab_size=v)
+
+            def ours_logits():
+                return be.linear_logp(nxt(), w, tg, bias=None, temperature=temp, return_logits=True, vocab_size=v)
+
+            extra = []
+            for var in [int(x) for x in args.sweep.split(",") if x]:
+                def ours_var(var=var):
+                    be.launch_variant = var
+                    try:
+                        return be.linear_logp(nxt(), w, tg, bias=None, temperature=temp, return_logits=False,
+                                              vocab_size=v)
+                    finally:
+                        be.launch_variant = args.variant
+                extra.append((f"ours_v{var}", ours_var))
+            rep = args.rep
+            row = {"N": n, "D": d, "V": v}
+            flops = 2.0 * n * d * v
+            for name, fn in (("gemm_bf16", gemm_bf16), ("gemm_f32out", gemm_f32), ("cublas_logsoftmax", ref_logsoftmax),
+                             ("ours", ours), ("ours_logits", ours_logits), *extra):
+                try:
+                    ms = _do_bench(fn, rep)
+                    mem = _peak_extra(fn)
+                except torch.OutOfMemoryError:
+                    ms, mem = float("nan"), float("nan")
+                row[name + "_ms"] = ms
+                row[name + "_tflops"] = flops / ms / 1e9
+                row[name + "_peak_extra_mib"] = mem / 2**20
+                torch.cuda.empty_cache()
+            row["ratio_ours_vs_gemm"] = row["ours_ms"] / row["gemm_bf16_ms"]
+            row["ratio_ours_logits_vs_gemm"] = row["ours_logits_ms"] / row["gemm_bf16_ms"]
+            row["ratio_ours_vs_logsoftmax"] = row["ours_ms"] / row["cublas_logsoftmax_ms"]
+            rows.append(row)
+            sweep = " ".join(f"{k[:-3]}={row[k]:.3f}" for k in row if k.startswith("ours_v") and k.endswith("_ms"))
+            print(f"  V={v} N={n}: gemm {row['gemm_bf16_ms']:.3f} ms, ours {row['ours_ms']:.3f} ms "
+                  f"({row['ratio_ours_vs_gemm']:.3f}x) {sweep}", flush=True)
+            del hs, tg, temp
+        del w
+        torch.cuda.empty_cache()
+
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "backend": be.describe(),
+        "timing": "triton.testing.do_bench median (CUDA events), 2 rotating hidden sets, temperature 1, no bias",
+        "peers_not_installed": [k for k, missing in peers_missing.items() if missing],
+        "rows": rows,
+    }
+    hdr = (f"{'V':>7} {'N':>6} | {'GEMM bf16':>9} {'GEMM f32':>9} {'cuBLAS+LS':>9} | {'ours':>8} {'x GEMM':>6} "
+           f"{'TFLOP/s':>7} {'+logits':>8} {'x GEMM':>6} | {'mem ours':>9} {'mem LS':>9}")
+    print()
+    print(f"{info['gpu']}, torch {info['torch']}, CUDA {info['cuda']}, {info['date']}; median ms")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['V']:>7} {r['N']:>6} | {r['gemm_bf16_ms']:>9.3f} {r['gemm_f32out_ms']:>9.3f} "
+              f"{r['cublas_logsoftmax_ms']:>9.3f} | {r['ours_ms']:>8.3f} {r['ratio_ours_vs_gemm']:>6.3f} "
+              f"{r['ours_tflops']:>7.1f} {r['ours_logits_ms']:>8.3f} {r['ratio_ours_logits_vs_gemm']:>6.3f} | "
+              f"{r['ours_peak_extra_mib']:>7.1f}Mi {r['cublas_logsoftmax_peak_extra_mib']:>7.1f}Mi")
+    for k in info["peers_not_installed"]:
+        print(f"{k}: not installed on this machine; not measured (DESIGN-NOTES section 3 has earlier figures)")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench-{args.tag}-{info['date']}.json")
+    with open(path, "w") as f:
+        json.dump(info, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

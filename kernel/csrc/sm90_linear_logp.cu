@@ -1,0 +1,287 @@
+// Fused lm_head projection + contract v1 tile statistics for sm_90a, and the row merge.
+//
+// Contract v1 (shared_contract/constants.py):
+//   z[n, v]  = <h[n], W[v]> (+ b[v]): one FP32 wgmma accumulator, K in ascending k16 groups, no split-K.
+//   z'       = __fdiv_rn(z, T[n]).
+//   tile t   = vocabulary ids [64t, 64t+64); m_t = max z' over real ids (NaN if any real z' is non-finite);
+//   s_t      = adjacent-pairwise tree over the 64 lanes of contract_exp(z' - m_t) (0.0 for non-real lanes).
+//   merge    : m = max_t m_t; S = s_0*e_0, S = S + s_t*e_t ascending (e_t = exp(m_t - m));
+//              lse = m + log(S); logp = min(z'_target - lse, 0).
+// Launch shapes (CTA tile, stages, grid order) are free: they never change a bit.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "contract_math.cuh"
+#include "sm90_fused.cuh"
+
+namespace sm90 {
+namespace {
+// ---------------------------------------------------------------------------------------------------------
+// Row merge: one block per row. tile_max/tile_sum [N, T] (row stride ld), target_logit [N].
+// The block computes every term s_t * exp(m_t - m) into shared memory; one thread chains them in order.
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kMergeThreads = 256;
+constexpr int kMergeMaxSmemTiles = 12000;   // 47 KB of terms; longer rows are merged in chunks of this size
+
+__global__ void __launch_bounds__(kMergeThreads)
+merge_kernel(const float* __restrict__ tile_max, const float* __restrict__ tile_sum,
+             const float* __restrict__ target_logit, float* __restrict__ logp, float* __restrict__ lse,
+             int n_tiles, long long ld, int chunk) {
+  extern __shared__ float terms[];
+  __shared__ float red[kMergeThreads / 32];
+  const long long row = blockIdx.x;
+  const float* mx = tile_max + row * ld;
+  const float* sm = tile_sum + row * ld;
+  float m = __int_as_float(0xFF800000);
+  for (int t = threadIdx.x; t < n_tiles; t += kMergeThreads) m = contract::nan_max(m, mx[t]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = contract::nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = red[0];
+#pragma unroll
+  for (int i = 1; i < kMergeThreads / 32; ++i) m = contract::nan_max(m, red[i]);
+  float S = 0.0f;
+  for (int base = 0; base < n_tiles; base += chunk) {
+    const int cnt = min(chunk, n_tiles - base);
+    for (int i = threadIdx.x; i < cnt; i += kMergeThreads)
+      terms[i] = __fmul_rn(sm[base + i], contract::contract_exp(__fsub_rn(mx[base + i], m)));
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int i = 0;
+      if (base == 0) {
+        S = terms[0];
+        i = 1;
+      }
+      for (; i + 8 <= cnt; i += 8) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = terms[i + k];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) S = __fadd_rn(S, v[k]);
+      }
+      for (; i < cnt; ++i) S = __fadd_rn(S, terms[i]);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const float l = __fadd_rn(m, contract::contract_log(S));
+    lse[row] = l;
+    logp[row] = contract::clamp_nonpos(__fsub_rn(target_logit[row], l));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Statistics from an FP32 logits row: one warp per (row, tile); lane l holds tile lanes 2l, 2l+1.
+// logits [N, ld] unscaled; statistics [N, nt]; target_logit [N].
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kLogitsWarps = 8;
+
+__global__ void __launch_bounds__(32 * kLogitsWarps)
+logits_stats_kernel(const float* __restrict__ logits, long long ld, const int64_t* __restrict__ targets,
+                    const float* __restrict__ temperature, int n_rows, int vocab_size, int nt,
+                    float* __restrict__ tile_max, float* __restrict__ tile_sum, float* __restrict__ target_logit) {
+  const long long item = static_cast<long long>(blockIdx.x) * kLogitsWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (item >= static_cast<long long>(n_rows) * nt) return;
+  const int row = static_cast<int>(item / nt), t = static_cast<int>(item % nt);
+  const float T = temperature[row];
+  const int c0 = t * kTile + 2 * lane;
+  const bool r0 = c0 < vocab_size, r1 = c0 + 1 < vocab_size;
+  const float* zr = logits + row * ld;
+  const float z0 = r0 ? zr[c0] : 0.0f, z1 = r1 ? zr[c0 + 1] : 0.0f;
+  const float s0 = (T == 1.0f) ? z0 : __fdiv_rn(z0, T);
+  const float s1 = (T == 1.0f) ? z1 : __fdiv_rn(z1, T);
+  float m = __int_as_float(0xFF800000);
+  int bad = 0;
+  if (r0) { m = fmaxf(m, s0); bad |= !isfinite(s0); }
+  if (r1) { m = fmaxf(m, s1); bad |= !isfinite(s1); }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+  if (bad) m = __int_as_float(0x7FFFFFFF);
+  const float e0 = r0 ? contract::contract_exp(__fsub_rn(s0, m)) : 0.0f;
+  const float e1 = r1 ? contract::contract_exp(__fsub_rn(s1, m)) : 0.0f;
+  float a = __fadd_rn(e0, e1);                                     // level 1
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, o));   // levels 2..6
+  if (lane == 0) {
+    tile_max[item] = m;
+    tile_sum[item] = a;
+  }
+  const long long tc = targets[row] - static_cast<long long>(t) * kTile;
+  if (tc >= 0 && tc < kTile && (tc >> 1) == lane) target_logit[row] = (tc & 1) ? s1 : s0;
+}
+
+void check_f32_2d(const torch::Tensor& t, const char* name, long long rows, long long cols) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 2 &&
+                  t.size(0) == rows && t.size(1) == cols,
+              "sm90: ", name, " must be a contiguous CUDA float32 [", rows, ", ", cols, "] tensor");
+}
+
+// Tile statistics of a weight (shard) whose row 0 is vocabulary id vocab_start; n_real real columns.
+// variant: 0 = choose by row count, 1 = 128x256 tiles, 2 = 64x256, 3 = 64x128, 4 = persistent ping-pong
+// 64x128 per warpgroup, 5 = ping-pong 64x256, 6 = 128x256 with two tiles per epilogue step, 7 = persistent 128x128 with an epilogue
+// warpgroup; +16 = timing hook (mainloop
+// only, statistics not computed).
+void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targets, torch::Tensor temperature,
+                 c10::optional<torch::Tensor> bias, int64_t vocab_start, int64_t n_real, torch::Tensor tile_max,
+                 torch::Tensor tile_sum, torch::Tensor target_logit, c10::optional<torch::Tensor> logits,
+                 int64_t variant) {
+  TORCH_CHECK(hidden.is_cuda() && weight.is_cuda(), "sm90: CUDA tensors required");
+  TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
+              "sm90: hidden and weight must be bfloat16");
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), "sm90: shape mismatch");
+  TORCH_CHECK(hidden.is_contiguous() && weight.is_contiguous(), "sm90: hidden and weight must be contiguous");
+  const long long n = hidden.size(0), d = hidden.size(1);
+  TORCH_CHECK(d % contract::K_GROUP == 0 && d > 0, "sm90: D must be a positive multiple of 16");
+  TORCH_CHECK(vocab_start % kTile == 0, "sm90: vocab_start must be a multiple of 64");
+  TORCH_CHECK(n_real >= 1 && n_real <= weight.size(0), "sm90: n_real out of range");
+  TORCH_CHECK(n < (1LL << 31) && n_real < (1LL << 31), "sm90: sizes too large");
+  const long long nt = (n_real + kTile - 1) / kTile;
+  check_f32_2d(tile_max, "tile_max", n, nt);
+  check_f32_2d(tile_sum, "tile_sum", n, nt);
+  TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kInt64 && targets.numel() == n &&
+                  targets.is_contiguous(), "sm90: targets must be contiguous int64 [N]");
+  TORCH_CHECK(temperature.is_cuda() && temperature.scalar_type() == torch::kFloat32 && temperature.numel() == n &&
+                  temperature.is_contiguous(), "sm90: temperature must be contiguous float32 [N]");
+  TORCH_CHECK(target_logit.is_cuda() && target_logit.scalar_type() == torch::kFloat32 && target_logit.numel() == n,
+              "sm90: target_logit must be float32 [N]");
+  FusedParams p{};
+  p.n_rows = static_cast<int>(n);
+  p.d = static_cast<int>(d);
+  p.n_real = static_cast<int>(n_real);
+  p.nt = static_cast<int>(nt);
+  p.vocab_start = vocab_start;
+  p.targets = targets.data_ptr<int64_t>();
+  p.temperature = temperature.data_ptr<float>();
+  p.bias = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() >= n_real, "sm90: bias must be contiguous float32 covering the real columns");
+    p.bias = bias->data_ptr<float>();
+  }
+  p.tile_max = tile_max.data_ptr<float>();
+  p.tile_sum = tile_sum.data_ptr<float>();
+  p.target_logit = target_logit.data_ptr<float>();
+  p.logits = nullptr;
+  p.skip_epilogue = (variant & 16) ? 1 : 0;
+  variant &= 15;
+  if (logits.has_value()) {
+    check_f32_2d(*logits, "logits", n, n_real);
+    p.logits = logits->data_ptr<float>();
+  }
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (variant == 0) variant = (n <= 64) ? 2 : 1;
+  switch (variant) {
+    case 1: launch_fused<2, 256, 1>(hidden, weight, p, stream); break;
+    case 2: launch_fused<1, 128, 1>(hidden, weight, p, stream); break;
+    case 3: launch_fused<1, 64, 1>(hidden, weight, p, stream); break;
+    case 4: launch_pingpong<128>(hidden, weight, p, stream); break;
+    case 5: launch_pingpong<256>(hidden, weight, p, stream); break;
+    case 6: launch_fused<2, 256, 2>(hidden, weight, p, stream); break;
+    case 7: launch_epiwg<true>(hidden, weight, p, stream); break;
+    default: TORCH_CHECK(false, "sm90: unknown variant ", variant);
+  }
+}
+
+void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor target_logit, torch::Tensor logp,
+                 torch::Tensor lse) {
+  TORCH_CHECK(tile_max.dim() == 2 && tile_max.sizes() == tile_sum.sizes(), "sm90: statistics shapes differ");
+  const long long n = tile_max.size(0), t = tile_max.size(1);
+  check_f32_2d(tile_max, "tile_max", n, t);
+  check_f32_2d(tile_sum, "tile_sum", n, t);
+  TORCH_CHECK(t >= 1, "sm90: no tiles to merge");
+  TORCH_CHECK(target_logit.is_cuda() && target_logit.scalar_type() == torch::kFloat32 && target_logit.numel() == n &&
+                  target_logit.is_contiguous(), "sm90: target_logit must be contiguous float32 [N]");
+  TORCH_CHECK(logp.numel() == n && lse.numel() == n && logp.scalar_type() == torch::kFloat32 &&
+                  lse.scalar_type() == torch::kFloat32 && logp.is_contiguous() && lse.is_contiguous(),
+              "sm90: logp/lse must be contiguous float32 [N]");
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(tile_max.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int chunk = static_cast<int>(std::min<long long>(t, kMergeMaxSmemTiles));
+  merge_kernel<<<static_cast<unsigned>(n), kMergeThreads, chunk * sizeof(float), stream>>>(
+      tile_max.data_ptr<float>(), tile_sum.data_ptr<float>(), target_logit.data_ptr<float>(),
+      logp.data_ptr<float>(), lse.data_ptr<float>(), static_cast<int>(t), t, chunk);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void logits_stats(torch::Tensor logits, torch::Tensor targets, torch::Tensor temperature, int64_t vocab_size,
+                  torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor target_logit) {
+  TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2 &&
+                  logits.stride(1) == 1, "sm90: logits must be CUDA float32 [N, V] with unit column stride");
+  const long long n = logits.size(0);
+  TORCH_CHECK(vocab_size >= 1 && vocab_size <= logits.size(1), "sm90: vocab_size out of range");
+  const long long nt = (vocab_size + kTile - 1) / kTile;
+  check_f32_2d(tile_max, "tile_max", n, nt);
+  check_f32_2d(tile_sum, "tile_sum", n, nt);
+  TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kInt64 && targets.numel() == n &&
+                  targets.is_contiguous(), "sm90: targets must be contiguous int64 [N]");
+  TORCH_CHECK(temperature.is_cuda() && temperature.scalar_type() == torch::kFloat32 && temperature.numel() == n &&
+                  temperature.is_contiguous(), "sm90: temperature must be contiguous float32 [N]");
+  TORCH_CHECK(target_logit.numel() == n && target_logit.scalar_type() == torch::kFloat32, "sm90: target_logit");
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const long long items = n * nt;
+  const unsigned blocks = static_cast<unsigned>((items + kLogitsWarps - 1) / kLogitsWarps);
+  logits_stats_kernel<<<blocks, 32 * kLogitsWarps, 0, stream>>>(
+      logits.data_ptr<float>(), logits.stride(0), targets.data_ptr<int64_t>(), temperature.data_ptr<float>(),
+      static_cast<int>(n), static_cast<int>(vocab_size), static_cast<int>(nt), tile_max.data_ptr<float>(),
+      tile_sum.data_ptr<float>(), target_logit.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Contract constants compiled into this build, for the launch-time check against shared_contract/constants.py.
+std::vector<int64_t> contract_constants() {
+  using namespace contract;
+  return {VOCAB_TILE, K_GROUP, EXP_LOG2E, EXP_SHIFTER, EXP_LN2_HI, EXP_LN2_LO, EXP_POLY_C2, EXP_POLY_C3,
+          EXP_POLY_C4, EXP_POLY_C5, EXP_POLY_C6, EXP_POLY_C7, EXP_X_MAX, EXP_X_MIN, LOG_SQRT_HALF_BITS,
+          LOG_LN2_HI, LOG_LN2_LO, LOG_POLY_0, LOG_POLY_1, LOG_POLY_2, LOG_POLY_3, LOG_POLY_4, LOG_POLY_5,
+          LOG_POLY_6, LOG_POLY_7, LOG_POLY_8, LOG_POLY_9};
+}
+
+// Test hooks: the device exp/log over a float32 tensor.
+__global__ void explog_kernel(const float* x, float* e, float* l, float* en, long long n) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) {
+    e[i] = contract::contract_exp(x[i]);
+    l[i] = contract::contract_log(x[i]);
+    en[i] = contract::contract_exp_nonpos(x[i]);   // meaningful for finite x <= 0 only
+  }
+}
+
+std::vector<torch::Tensor> explog(torch::Tensor x) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "sm90: explog input");
+  auto e = torch::empty_like(x), l = torch::empty_like(x), en = torch::empty_like(x);
+  const long long n = x.numel();
+  if (n > 0) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    explog_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.data_ptr<float>(), e.data_ptr<float>(), l.data_ptr<float>(), en.data_ptr<float>(), n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {e, l, en};
+}
+
+}  // namespace
+}  // namespace sm90
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_stats", &sm90::fused_stats, "GEMM + contract tile statistics (sm_90a)");
+  m.def("merge_stats", &sm90::merge_stats, "contract row merge");
+  m.def("logits_stats", &sm90::logits_stats, "contract tile statistics from FP32 logits");
+  m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
+  m.def("explog", &sm90::explog, "contract exp/log on the device (test hook)");
+}

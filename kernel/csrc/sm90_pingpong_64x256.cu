@@ -1,0 +1,6 @@
+// Persistent ping-pong fused kernel, warpgroup tile 64 x 256.
+#include "sm90_fused.cuh"
+
+namespace sm90 {
+template void launch_pingpong<256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
+}  // namespace sm90

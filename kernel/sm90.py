@@ -1,0 +1,181 @@
+"""The SM90 backend: the fused wgmma + TMA kernel of contract v1 (kernel/csrc), built on first use.
+
+The extension is compiled with torch.utils.cpp_extension.load for `-gencode=arch=compute_90a,code=sm_90a`
+and cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). If it cannot be built, or its
+compiled contract constants differ from shared_contract/constants.py, `available()` says why and every
+entry raises: there is no fallback here.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from ..shared_contract import constants as C
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("sm90_linear_logp.cu", "sm90_fused_128x256.cu", "sm90_fused_64x256.cu", "sm90_fused_64x128.cu",
+            "sm90_pingpong_64x128.cu", "sm90_pingpong_64x256.cu", "sm90_epiwg_128x128.cu")
+CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
+_TILE = C.VOCAB_TILE
+
+# Launch variants (free axes: CTA tile rows x vocabulary columns; none changes a bit). 0 = auto: 64x256 for
+# N <= 64 rows (weight-bandwidth bound), else 128x256 (fastest measured, bench/NOTES-sm90.md).
+VARIANTS = {0: "auto", 1: "128x256", 2: "64x256", 3: "64x128", 4: "pingpong-64x128", 5: "pingpong-64x256",
+            6: "128x256-epi2", 7: "epilogue-warpgroup-128x128"}
+
+_lock = threading.Lock()
+_ext = None
+_ext_error: str | None = None
+
+
+def expected_constants() -> list[int]:
+    """The constants compiled into the extension, in its order, from shared_contract/constants.py."""
+    return [C.VOCAB_TILE, C.K_GROUP, C.EXP_LOG2E, C.EXP_SHIFTER, C.EXP_LN2_HI, C.EXP_LN2_LO, *C.EXP_POLY,
+            C.EXP_X_MAX, C.EXP_X_MIN, C.LOG_SQRT_HALF_BITS, C.LOG_LN2_HI, C.LOG_LN2_LO, *C.LOG_POLY]
+
+
+def _build():
+    global _ext, _ext_error
+    with _lock:
+        if _ext is not None or _ext_error is not None:
+            return
+        try:
+            from torch.utils.cpp_extension import load
+
+            ext = load(
+                name="fused_logp_sm90",
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_include_paths=[str(_CSRC)],
+                extra_cuda_cflags=list(CUDA_FLAGS),
+                extra_cflags=["-O3"],
+                verbose=bool(os.environ.get("FUSED_LOGP_BUILD_VERBOSE")),
+            )
+        except Exception as exc:  # the reason is reported by available()
+            _ext_error = f"building the sm90 extension failed: {type(exc).__name__}: {exc}"
+            return
+        got = [int(v) for v in ext.contract_constants()]
+        want = expected_constants()
+        if got != want:
+            _ext_error = (f"the built extension's contract constants differ from shared_contract/constants.py "
+                          f"({C.CONTRACT_VERSION}): {got} != {want}")
+            return
+        _ext = ext
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SM90Backend:
+    """Contract v1 on Hopper (compute capability 9.0): one fused GEMM + tile-statistics kernel and a row merge."""
+
+    name = "sm90"
+    contract_bearing = True
+
+    def __init__(self):
+        # Launch variant, a free axis (see VARIANTS); tests set it to prove that it changes no bit.
+        self.launch_variant = 0
+        # Tests set an int32 NaN pattern: outputs are filled with it before each launch (unwritten ones show).
+        self.poison: int | None = None
+
+    def _empty(self, *shape, device):
+        out = torch.empty(*shape, dtype=torch.float32, device=device)
+        if self.poison is not None:
+            out.view(torch.int32).fill_(self.poison)
+        return out
+
+    def available(self) -> tuple[bool, str]:
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available"
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            return False, f"needs compute capability 9.0 (sm_90a), found {cap[0]}.{cap[1]}"
+        _build()
+        if _ext is None:
+            return False, _ext_error or "the sm90 extension is not built"
+        return True, f"sm90 extension built for sm_90a ({torch.cuda.get_device_name()})"
+
+    def describe(self) -> dict:
+        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        return {"arch": "sm_90a", "compute_capability": f"{cap[0]}.{cap[1]}" if cap else "none",
+                "toolkit": f"torch {torch.__version__} cuda {torch.version.cuda}",
+                "build": "torch.utils.cpp_extension " + " ".join(CUDA_FLAGS),
+                "launch_variant": VARIANTS[self.launch_variant]}
+
+    def _module(self):
+        ok, why = self.available()
+        if not ok:
+            raise RuntimeError(f"sm90 backend unavailable: {why}")
+        return _ext
+
+    # -- entries ----------------------------------------------------------------------------------------------
+    def _stats(self, hidden, weight, targets, temperature, bias, vocab_start, n_real, return_logits,
+               target_logit):
+        ext = self._module()
+        n = hidden.shape[0]
+        nt = _cdiv(n_real, _TILE)
+        tile_max = self._empty(n, nt, device=hidden.device)
+        tile_sum = self._empty(n, nt, device=hidden.device)
+        logits = self._empty(n, n_real, device=hidden.device) if return_logits else None
+        ext.fused_stats(hidden, weight, targets.contiguous(), temperature.contiguous(), bias, vocab_start, n_real, tile_max, tile_sum,
+                        target_logit, logits, int(self.launch_variant))
+        return tile_max, tile_sum, logits
+
+    def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):
+        n = hidden.shape[0]
+        dev = hidden.device
+        target_logit = self._empty(n, device=dev)   # every row's target is owned here
+        tile_max, tile_sum, logits = self._stats(hidden, weight, targets, temperature, bias, 0, vocab_size,
+                                                 return_logits, target_logit)
+        logp, lse = self.merge_stats(tile_max, tile_sum, target_logit)
+        return logp, lse, logits
+
+    def shard_stats(self, hidden, weight_shard, targets, *, vocab_start, vocab_size, bias, temperature,
+                    return_logits):
+        if vocab_start % _TILE != 0:
+            raise ValueError(f"vocab_start must be a multiple of VOCAB_TILE={_TILE} (global tiles), "
+                             f"got {vocab_start}")
+        n = hidden.shape[0]
+        dev = hidden.device
+        n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
+        owned = (targets >= vocab_start) & (targets < vocab_start + n_real)
+        target_logit = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+        if n_real == 0:
+            empty = torch.empty(n, 0, dtype=torch.float32, device=dev)
+            return {"tile_max": empty, "tile_sum": empty.clone(), "target_logit": target_logit,
+                    "target_owned": owned, "tile_offset": vocab_start // _TILE,
+                    "logits": torch.empty(n, 0, dtype=torch.float32, device=dev) if return_logits else None}
+        tile_max, tile_sum, logits = self._stats(hidden, weight_shard, targets, temperature, bias, vocab_start,
+                                                 n_real, return_logits, target_logit)
+        return {"tile_max": tile_max, "tile_sum": tile_sum, "target_logit": target_logit, "target_owned": owned,
+                "tile_offset": vocab_start // _TILE, "logits": logits}
+
+    def merge_stats(self, tile_max, tile_sum, target_logit):
+        ext = self._module()
+        n = tile_max.shape[0]
+        logp = self._empty(n, device=tile_max.device)
+        lse = self._empty(n, device=tile_max.device)
+        ext.merge_stats(tile_max.contiguous(), tile_sum.contiguous(), target_logit.contiguous(), logp, lse)
+        return logp, lse
+
+    def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
+        ext = self._module()
+        n = logits.shape[0]
+        dev = logits.device
+        nt = _cdiv(vocab_size, _TILE)
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        tile_max = self._empty(n, nt, device=dev)
+        tile_sum = self._empty(n, nt, device=dev)
+        target_logit = self._empty(n, device=dev)
+        ext.logits_stats(logits, targets.contiguous(), temperature.contiguous(), int(vocab_size), tile_max, tile_sum, target_logit)
+        return self.merge_stats(tile_max, tile_sum, target_logit)
+
+    # -- test hooks ---------------------------------------------------------------------------------------------
+    def device_explog(self, x):
+        """(contract_exp(x), contract_log(x), contract_exp_nonpos(x)) from the device functions of
+        contract_math.cuh; the last is meaningful for finite x <= 0 only."""
+        return tuple(self._module().explog(x.contiguous()))

@@ -1,0 +1,327 @@
+"""The SM90 kernel against contract v1: repeatability, batch invariance, dual entry, oracle bytes, TP shards,
+stats-from-logits and epilogue edge cases. Runs only on an SM90 GPU (H100/H200); elsewhere it skips.
+
+Outputs are poisoned with a NaN sentinel before every kernel run (SM90Backend.poison) and every test checks
+that no sentinel survives. Inputs are fresh random draws (never zeros); the seed is in the test report.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import bits_equal
+
+pytestmark = pytest.mark.gpu
+
+SENTINEL = 0x7FBADBAD          # a NaN payload no arithmetic produces
+VARIANTS = (1, 2, 3, 4, 5, 6, 7)
+M_LIST = list(range(1, 18)) + [31, 63, 64, 65, 127, 128, 129, 255, 257, 1000, 4096]
+
+
+def _cuda_ok():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(scope="module")
+def be():
+    if not _cuda_ok():
+        pytest.skip("needs an SM90 (H100/H200) GPU")
+    from fused_logp.kernel.sm90 import SM90Backend
+    b = SM90Backend()
+    ok, why = b.available()
+    assert ok, why
+    b.poison = SENTINEL
+    yield b
+    b.launch_variant = 0
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    from fused_logp.kernel.oracle import OracleBackend
+    return OracleBackend()
+
+
+@pytest.fixture
+def cgen(gen):
+    """A CUDA generator seeded from the test's CPU generator."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    return g
+
+
+def beq(a, b):
+    """Bitwise equality; NaN matches NaN whatever its payload."""
+    a = a.detach().contiguous().cpu()
+    b = b.detach().contiguous().cpu()
+    if a.shape != b.shape:
+        return False
+    na, nb = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(na, nb):
+        return False
+    return torch.equal(torch.where(na, 0, a.view(torch.int32)), torch.where(nb, 0, b.view(torch.int32)))
+
+
+def no_sentinel(*ts):
+    for t in ts:
+        if t is None:
+            continue
+        assert not bool((t.contiguous().view(torch.int32) == SENTINEL).any()), "an output element was not written"
+
+
+def make_inputs(cgen, n, d, v_rows, *, scale_h=1.0, scale_w=0.02, temp="mixed", bias=False):
+    h = (torch.randn(n, d, generator=cgen, device="cuda") * scale_h).to(torch.bfloat16)
+    w = (torch.randn(v_rows, d, generator=cgen, device="cuda") * scale_w).to(torch.bfloat16)
+    if temp == "one":
+        t = torch.ones(n, device="cuda")
+    else:
+        t = torch.rand(n, generator=cgen, device="cuda") * 1.7 + 0.3
+        t[::3] = 1.0
+    b = torch.randn(v_rows, generator=cgen, device="cuda") if bias else None
+    return h, w, t, b
+
+
+def targets_for(cgen, n, v):
+    return torch.randint(0, v, (n,), generator=cgen, device="cuda", dtype=torch.int64)
+
+
+def run(be, h, w, tg, t, b, v, logits=False, variant=0):
+    be.launch_variant = variant
+    out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=logits, vocab_size=v)
+    no_sentinel(*out)
+    return out
+
+
+def cublas_logits(h, w):
+    try:
+        return torch.mm(h, w.t(), out_dtype=torch.float32)
+    except TypeError:
+        pytest.skip("torch.mm has no out_dtype here")
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+def test_constants_checked_at_build(be):
+    from fused_logp.kernel import sm90
+    assert [int(x) for x in sm90._ext.contract_constants()] == sm90.expected_constants()
+
+
+def test_device_exp_log_match_cpu(be, gen):
+    from fused_logp.kernel.transcendentals import contract_exp, contract_log
+    bits = torch.randint(0, 2**32, (1 << 22,), generator=gen, dtype=torch.int64).to(torch.uint32)
+    x = bits.view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45,
+                            88.72284, 88.72283, -103.97208, -103.97207, 1.1754944e-38, 1.1754942e-38])
+    dom = torch.cat([x, special, -torch.rand(1 << 20, generator=gen) * 110.0,
+                     torch.rand(1 << 20, generator=gen) * 4096.0])
+    e, l, en = be.device_explog(dom.cuda())
+    ce = torch.from_numpy(contract_exp(dom.numpy()))
+    cl = torch.from_numpy(contract_log(dom.numpy()))
+    assert beq(e, ce)
+    assert beq(l, cl)
+    nonpos = (dom <= 0) & torch.isfinite(dom)          # the tile-sum exp's domain
+    assert beq(en.cpu()[nonpos], ce[nonpos])
+
+
+@pytest.mark.parametrize("variant", (0,) + VARIANTS)
+def test_l1_repeat_100(be, cgen, variant):
+    n, d, v = 129, 4096, 151936
+    h, w, t, b = make_inputs(cgen, n, d, v)
+    tg = targets_for(cgen, n, v)
+    ref = run(be, h, w, tg, t, b, v, variant=variant)
+    for _ in range(99 if variant == 0 else 19):
+        out = run(be, h, w, tg, t, b, v, variant=variant)
+        assert bits_equal(out[0], ref[0]) and bits_equal(out[1], ref[1])
+
+
+@pytest.mark.parametrize("shape", [(1024, 32003), (4096, 151936)])
+def test_l2_batch_invariance(be, cgen, shape):
+    d, v = shape
+    pool = 16384 if d == 4096 else 4096
+    h, w, t, _ = make_inputs(cgen, pool, d, v)
+    tg = targets_for(cgen, pool, v)
+    ref_logp, ref_lse, _ = run(be, h, w, tg, t, None, v)
+    ms = M_LIST + ([16384] if d == 4096 else [])
+    for variant in (0,) + VARIANTS:
+        for m in ms:
+            if d == 4096 and variant != 0 and m > 1000:
+                continue
+            idx = torch.randperm(pool, device="cuda", generator=cgen)[:m]
+            logp, lse, _ = run(be, h[idx].contiguous(), w, tg[idx].contiguous(), t[idx].contiguous(), None, v,
+                               variant=variant)
+            assert bits_equal(logp, ref_logp[idx]), (variant, m)
+            assert bits_equal(lse, ref_lse[idx]), (variant, m)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dual_entry_and_cublas_logits(be, cgen, bias):
+    n, d, v = 300, 4096, 151936
+    h, w, t, b = make_inputs(cgen, n, d, v, bias=bias)
+    tg = targets_for(cgen, n, v)
+    for variant in (0,) + VARIANTS:
+        a = run(be, h, w, tg, t, b, v, logits=False, variant=variant)
+        c = run(be, h, w, tg, t, b, v, logits=True, variant=variant)
+        assert a[2] is None and c[2].shape == (n, v)
+        assert bits_equal(a[0], c[0]) and bits_equal(a[1], c[1])
+        z = cublas_logits(h, w)
+        if b is not None:
+            z = z + b[None, :]
+        assert bits_equal(c[2], z), f"variant {variant}: logits differ from cuBLAS on " \
+            f"{int((c[2].view(torch.int32) != z.view(torch.int32)).sum())} of {z.numel()}"
+
+
+def _oracle_compare(be, oracle, h, w, tg, t, b, v, variants=(0,) + VARIANTS):
+    ref = oracle.linear_logp(h.cpu(), w.cpu(), tg.cpu(), bias=None if b is None else b.cpu(),
+                             temperature=t.cpu(), return_logits=True, vocab_size=v)
+    for variant in variants:
+        out = run(be, h, w, tg, t, b, v, logits=True, variant=variant)
+        assert beq(out[2], ref[2]), f"logits differ from the oracle (variant {variant}) on " \
+            f"{int((out[2].cpu().view(torch.int32) != ref[2].view(torch.int32)).sum())} of {ref[2].numel()}"
+        assert beq(out[1], ref[1]), f"lse differs (variant {variant})"
+        assert beq(out[0], ref[0]), f"logp differs (variant {variant})"
+
+
+# The CPU oracle emulates every k16 step: keep rows x cols x D/16 small (about 20 us each on one core).
+@pytest.mark.parametrize("n,d,v_rows,v", [(1, 16, 64, 64), (5, 48, 100, 97), (70, 64, 1000, 1000),
+                                          (33, 80, 200, 131), (130, 256, 160, 160), (3, 4096, 130, 130),
+                                          (66, 208, 300, 257)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_oracle_small_shapes(be, oracle, cgen, n, d, v_rows, v, bias):
+    h, w, t, b = make_inputs(cgen, n, d, v_rows, scale_h=1.0, scale_w=0.5, bias=bias)
+    tg = targets_for(cgen, n, v)
+    _oracle_compare(be, oracle, h, w, tg, t, b, v)
+
+
+def test_oracle_full_size_sampled_rows(be, oracle, cgen):
+    """D=4096, V=151936: logits of every row equal cuBLAS; 2 rows x 1024 sampled columns through the oracle
+    GEMM; the statistics and merge of 64 rows through the oracle's numpy code over the kernel's logits."""
+    from fused_logp.kernel.oracle import merge, tile_stats
+    n, d, v = 256, 4096, 151936
+    h, w, t, _ = make_inputs(cgen, n, d, v)
+    tg = targets_for(cgen, n, v)
+    logp, lse, z = run(be, h, w, tg, t, None, v, logits=True)
+    assert bits_equal(z, cublas_logits(h, w))
+    rows = torch.randperm(n, generator=cgen, device="cuda")[:64].cpu()
+    zc = z.cpu()[rows].numpy()
+    tc = t.cpu()[rows].numpy()
+    tmax, tsum, zs = tile_stats(zc, tc, v)
+    tl = zs[np.arange(len(rows)), tg.cpu()[rows].numpy()]
+    rl, rs = merge(tmax, tsum, tl)
+    assert beq(logp.cpu()[rows], torch.from_numpy(rl)) and beq(lse.cpu()[rows], torch.from_numpy(rs))
+    from fused_logp.kernel.oracle import hopper_logits
+    two = rows[:2].cuda()
+    cols = torch.randperm(v, generator=cgen, device="cuda")[:1024]
+    cols[:4] = torch.tensor([0, 63, 64, v - 1], device="cuda")
+    ref = hopper_logits(h[two].cpu(), w[cols].cpu())
+    assert beq(z[two][:, cols], ref)
+
+
+def _tp(be, h, w, tg, t, b, v, ranks, rows_total):
+    width = rows_total // ranks
+    tms, tss, tl = [], [], None
+    for r in range(ranks):
+        start = r * width
+        st = be.shard_stats(h, w[start:start + width].contiguous(), tg, vocab_start=start, vocab_size=v,
+                            bias=None if b is None else b[start:start + width].contiguous(), temperature=t,
+                            return_logits=False)
+        no_sentinel(st["tile_max"], st["tile_sum"], st["target_logit"])
+        assert st["tile_offset"] == start // 64
+        tms.append(st["tile_max"])
+        tss.append(st["tile_sum"])
+        tl = st["target_logit"] if tl is None else torch.where(st["target_owned"], st["target_logit"], tl)
+    return be.merge_stats(torch.cat(tms, 1), torch.cat(tss, 1), tl)
+
+
+@pytest.mark.parametrize("d", [512, 4096])
+def test_tp_shards_and_megatron_padding(be, cgen, d):
+    n, v, padded = 77, 151936, 152064
+    h, w, t, b = make_inputs(cgen, n, d, padded, bias=True)
+    tg = targets_for(cgen, n, v)
+    tg[:4] = torch.tensor([0, v - 1, 76031, 76032], device="cuda")
+    ref = run(be, h, w[:v].contiguous(), tg, t, b[:v].contiguous(), v)
+    pad = run(be, h, w, tg, t, b, v)
+    assert bits_equal(pad[0], ref[0]) and bits_equal(pad[1], ref[1])
+    for ranks in (2, 4, 8):
+        logp, lse = _tp(be, h, w, tg, t, b, v, ranks, padded)
+        no_sentinel(logp, lse)
+        assert bits_equal(logp, ref[0]) and bits_equal(lse, ref[1]), ranks
+
+
+def test_shard_start_must_be_tile_aligned(be, cgen):
+    h, w, t, _ = make_inputs(cgen, 3, 64, 128)
+    with pytest.raises(ValueError):
+        be.shard_stats(h, w, targets_for(cgen, 3, 128), vocab_start=32, vocab_size=256, bias=None,
+                       temperature=t, return_logits=False)
+
+
+@pytest.mark.parametrize("n,d,v", [(200, 4096, 151936), (40, 256, 1000)])
+def test_stats_from_logits_equal_fused(be, oracle, cgen, n, d, v):
+    h, w, t, b = make_inputs(cgen, n, d, v, bias=True)
+    tg = targets_for(cgen, n, v)
+    logp, lse, z = run(be, h, w, tg, t, b, v, logits=True)
+    wide = torch.randn(n, v + 13, generator=cgen, device="cuda")
+    wide[:, :v] = z                           # columns beyond vocab_size never enter a statistic
+    be.launch_variant = 0
+    l2, s2 = be.stats_from_logits(wide, tg, temperature=t, vocab_size=v)
+    no_sentinel(l2, s2)
+    assert bits_equal(l2, logp) and bits_equal(s2, lse)
+    if v <= 1000:
+        ro = oracle.stats_from_logits(wide.cpu(), tg.cpu(), temperature=t.cpu(), vocab_size=v)
+        assert beq(l2, ro[0]) and beq(s2, ro[1])
+
+
+def test_epilogue_extremes(be, oracle, cgen):
+    """Logits near +-1300, all-negative logits with a ragged last tile, targets at tile edges."""
+    n, d, v = 16, 256, 1000
+    h = (torch.rand(n, d, generator=cgen, device="cuda") + 0.5).to(torch.bfloat16)
+    w = (torch.rand(v, d, generator=cgen, device="cuda") * 4.0 + 1.0).to(torch.bfloat16)
+    sign = torch.where(torch.rand(n, 1, generator=cgen, device="cuda") < 0.5, -1.0, 1.0)
+    h = (h.float() * sign).to(torch.bfloat16)                     # row logits all +~1300 or all -~1300
+    t = torch.ones(n, device="cuda")
+    t[1::2] = torch.rand(n // 2, generator=cgen, device="cuda") + 0.5
+    edges = torch.tensor([0, v - 1, 63, 64, 7, 8, 15, 16], device="cuda")
+    tg = edges.repeat(2)
+    ref = oracle.linear_logp(h.cpu(), w.cpu(), tg.cpu(), bias=None, temperature=t.cpu(), return_logits=True,
+                             vocab_size=v)
+    z = ref[2]
+    assert float(z.abs().min()) > 500 and float(z.abs().max()) < 3000
+    for variant in (0,) + VARIANTS:
+        out = run(be, h, w, tg, t, None, v, logits=True, variant=variant)
+        assert beq(out[2], ref[2]) and beq(out[1], ref[1]) and beq(out[0], ref[0]), variant
+    # all-negative logits, ragged last tile
+    h2 = (torch.rand(n, d, generator=cgen, device="cuda") + 0.1).to(torch.bfloat16)
+    w2 = (-torch.rand(v, d, generator=cgen, device="cuda") * 0.05 - 0.01).to(torch.bfloat16)
+    _oracle_compare(be, oracle, h2, w2, tg, t, None, v)
+
+
+def test_nonfinite_rows_are_nan_and_isolated(be, oracle, cgen):
+    n, d, v = 12, 128, 300
+    h, w, t, _ = make_inputs(cgen, n, d, v, scale_w=0.5)
+    tg = targets_for(cgen, n, v)
+    clean = run(be, h, w, tg, t, None, v)
+    h2 = h.clone()
+    h2[3, 5] = float("inf")
+    h2[7, 9] = float("nan")
+    t2 = t.clone()
+    big = run(be, h2, w, tg, t2, None, v, logits=True)
+    for r in (3, 7):
+        assert math.isnan(float(big[0][r])) and math.isnan(float(big[1][r]))
+    keep = [i for i in range(n) if i not in (3, 7)]
+    assert bits_equal(big[0][keep], clean[0][keep]) and bits_equal(big[1][keep], clean[1][keep])
+    ref = oracle.linear_logp(h2.cpu(), w.cpu(), tg.cpu(), bias=None, temperature=t2.cpu(), return_logits=True,
+                             vocab_size=v)
+    assert beq(big[0], ref[0]) and beq(big[1], ref[1])
+
+
+def test_float64_accuracy(be, cgen):
+    n, d, v = 64, 4096, 151936
+    h, w, t, b = make_inputs(cgen, n, d, v, bias=True)
+    tg = targets_for(cgen, n, v)
+    logp, lse, _ = run(be, h, w, tg, t, b, v)
+    z = (h.double() @ w.double().t() + b.double()[None]) / t.double()[:, None]
+    rlse = torch.logsumexp(z, 1)
+    rlogp = z.gather(1, tg[:, None]).squeeze(1) - rlse
+    assert float(((lse.double() - rlse).norm() / rlse.norm())) < 1e-5
+    assert float((logp.double() - rlogp).abs().max()) < 5e-3

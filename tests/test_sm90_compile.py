@@ -1,0 +1,120 @@
+"""CPU CI for the SM90 kernel: the header's contract constants equal shared_contract/constants.py, and the CUDA
+sources compile for sm_90a (compile only, `ptxas -v`) with no register spills. Skips where nvcc is absent."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from fused_logp.shared_contract import constants as C
+
+CSRC = Path(__file__).resolve().parents[1] / "kernel" / "csrc"
+HEADER = CSRC / "contract_math.cuh"
+
+
+def _header_constants() -> dict[str, int]:
+    text = HEADER.read_text()
+    out = {}
+    for name, val in re.findall(r"constexpr\s+(?:uint32_t|int)\s+(\w+)\s*=\s*(0x[0-9A-Fa-f]+|\d+)u?\s*;", text):
+        out[name] = int(val, 0)
+    return out
+
+
+def test_header_constants_equal_python_constants():
+    h = _header_constants()
+    want = {
+        "EXP_LOG2E": C.EXP_LOG2E, "EXP_SHIFTER": C.EXP_SHIFTER, "EXP_LN2_HI": C.EXP_LN2_HI,
+        "EXP_LN2_LO": C.EXP_LN2_LO, "EXP_X_MAX": C.EXP_X_MAX, "EXP_X_MIN": C.EXP_X_MIN,
+        "LOG_SQRT_HALF_BITS": C.LOG_SQRT_HALF_BITS, "LOG_LN2_HI": C.LOG_LN2_HI, "LOG_LN2_LO": C.LOG_LN2_LO,
+        "VOCAB_TILE": C.VOCAB_TILE, "K_GROUP": C.K_GROUP,
+    }
+    for i, v in enumerate(C.EXP_POLY):
+        want[f"EXP_POLY_C{i + 2}"] = v
+    for i, v in enumerate(C.LOG_POLY):
+        want[f"LOG_POLY_{i}"] = v
+    for k, v in want.items():
+        assert k in h, f"{k} missing from {HEADER.name}"
+        assert h[k] == v, f"{k}: header {h[k]:#x} != constants.py {v:#x}"
+    assert "shared_contract/constants.py" in HEADER.read_text()
+
+
+def test_sm90_module_constant_order_matches_extension_source():
+    """kernel/sm90.py checks the built extension's constants in the order contract_constants() returns them."""
+    from fused_logp.kernel.sm90 import expected_constants
+    src = (CSRC / "sm90_linear_logp.cu").read_text()
+    body = re.search(r"contract_constants\(\) \{.*?return \{(.*?)\};", src, re.S).group(1)
+    names = [s.strip() for s in body.split(",")]
+    h = _header_constants()
+    assert [h[n] for n in names] == expected_constants()
+
+
+def test_no_fast_math_or_libm_in_kernel_sources():
+    for f in CSRC.glob("*.cu*"):
+        text = f.read_text()
+        for bad in ("__expf", "__logf", "expf(", "logf(", "__fmaf", "fmaf(", "use_fast_math"):
+            assert bad not in text, f"{f.name} uses {bad}"
+    from fused_logp.kernel import sm90
+    assert "--use_fast_math" not in sm90.CUDA_FLAGS
+    assert "-gencode=arch=compute_90a,code=sm_90a" in sm90.CUDA_FLAGS
+
+
+def _nvcc():
+    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+
+
+@pytest.fixture(scope="module")
+def ptxas_reports(tmp_path_factory):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: the sm_90a compile check needs the CUDA toolkit")
+    torch_utils = pytest.importorskip("torch.utils.cpp_extension")
+    tmp = tmp_path_factory.mktemp("sm90")
+    shim = tmp / "shim"
+    incs = list(torch_utils.include_paths())
+    # CPU wheels of torch carry the c10/cuda headers but not the CMake-generated one they include.
+    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").exists() for p in incs):
+        (shim / "c10/cuda/impl").mkdir(parents=True)
+        (shim / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#pragma once\n")
+        incs = [str(shim)] + incs
+    for extra in ("/usr/local/cuda/include",):
+        if Path(extra).exists():
+            incs.append(extra)
+    incs.append(sysconfig.get_paths()["include"])
+    from fused_logp.kernel import sm90
+    procs = {}
+    for src in sm90._SOURCES:
+        cmd = [nvcc, "-c", str(CSRC / src), "-o", str(tmp / (src + ".o")), *sm90.CUDA_FLAGS,
+               "-std=c++17", "-Xptxas", "-v", "-DTORCH_EXTENSION_NAME=sm90_ext", "-I", str(CSRC)]
+        for p in incs:
+            cmd += ["-I", p]
+        procs[src] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = {}
+    for src, p in procs.items():
+        text, _ = p.communicate(timeout=1800)
+        out[src] = (p.returncode, text)
+    return out
+
+
+def test_sm90a_compiles_without_spills(ptxas_reports):
+    for src, (rc, text) in ptxas_reports.items():
+        assert rc == 0, f"{src} failed to compile for sm_90a:\n{text[-4000:]}"
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        assert spills, f"{src}: no ptxas report"
+        for st, ld in spills:
+            assert int(st) == 0 and int(ld) == 0, f"{src}: register spills\n{text[-4000:]}"
+        frames = re.findall(r"(\d+) bytes stack frame", text)
+        assert all(int(f) == 0 for f in frames), f"{src}: local-memory stack frame\n{text[-4000:]}"
+
+
+def test_full_k_mainloop_has_no_injected_wgmma_waits(ptxas_reports):
+    """The D % 64 == 0 instantiations (Lb1) issue wgmma straight-line: ptxas must not serialise them."""
+    for src, (rc, text) in ptxas_reports.items():
+        for line in text.splitlines():
+            if any(code in line for code in ("C7508", "C7510", "C7519", "C7520")):
+                assert "Lb1E" not in line, f"{src}: {line}"
