@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-gpu bench clean
+.PHONY: demo test test-slow test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,9 +25,26 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -ra -m slow
 
-# On the H200: the GPU tests and the benchmark (see README).
-test-gpu:
-	$(PYTHON) -m pytest -q -ra -m gpu tests
+# On an SM90 machine (H100/H200) with torch and nvcc but no package index: the package is laid out under
+# build/gpu-pkg without installing anything; the extension builds on first use.
+GPU_PKG := build/gpu-pkg
+GPU_TESTS := tests/test_sm90.py tests/test_backward_gpu.py tests/test_transforms_gpu.py
+GPU_ENV := PYTHONPATH=$(CURDIR)/$(GPU_PKG):$(CURDIR)/tests PYTHONUNBUFFERED=1
+.PHONY: $(GPU_PKG)
+
+$(GPU_PKG):
+	rm -rf $(GPU_PKG) && mkdir -p $(GPU_PKG)/fused_logp
+	cp fused_logp/*.py $(GPU_PKG)/fused_logp/ && cp -r fused_logp/golden $(GPU_PKG)/fused_logp/
+	for d in kernel shared_contract vllm_plugin megatron_plugin; do ln -s $(CURDIR)/$$d $(GPU_PKG)/fused_logp/$$d; done
+
+test-gpu: $(GPU_PKG)
+	$(GPU_ENV) $(PYTHON) -P -m pytest -q -ra -p no:cacheprovider -m gpu $(GPU_TESTS)
+
+bench-gpu: $(GPU_PKG)
+	$(GPU_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
+	$(GPU_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py
+	$(GPU_ENV) $(PYTHON) -P bench/tp_validation.py
+	$(GPU_ENV) $(PYTHON) -P -m fused_logp.cli ladder --out $${OUT:-out}/ladder
 
 clean:
 	rm -rf $(VENV) build *.egg-info
