@@ -44,6 +44,7 @@ bench-gpu: $(GPU_PKG)
 	$(GPU_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
 	$(GPU_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py
 	$(GPU_ENV) $(PYTHON) -P bench/tp_validation.py
+	$(GPU_ENV) $(PYTHON) -P bench/benchmark_transforms.py
 	$(GPU_ENV) $(PYTHON) -P -m fused_logp.cli ladder --out $${OUT:-out}/ladder
 
 clean:

@@ -1,4 +1,4 @@
-"""What megatron-core 0.16.1 needs to run a GPTModel (local spec, RoPE) forward and backward on a CPU-only machine.
+"""What megatron-core (0.16.1, 0.19.2) needs to run a GPTModel (local spec, RoPE) forward and backward on CPU.
 
 Each shim replaces one CUDA-only piece and nothing else; the arithmetic stays Megatron's:
   * GlobalMemoryBuffer.get_tensor - allocates its scratch buffer on torch.cuda.current_device(); replaced by a

@@ -2,9 +2,11 @@
 
 megatron-core >= 0.18: GPTModel.forward takes `output_processor=`; `install()` wraps forward so that a labelled
 training/scoring call gets `logp_output_processor` when the caller passed none (callers may also pass it
-themselves). megatron-core 0.16/0.17: `install()` wraps `GPTModel._postprocess`, which calls the processor with
-the >= 0.18 keywords. Both are idempotent, reversible (`uninstall`) and pass through when the plugin is
-disabled, when labels are absent (generation wants logits) or when an inference context is given.
+themselves). The wrapper refuses uncovered configurations before the forward, because GPTModel._postprocess runs
+the multi-token-prediction block and its loss before it calls output_processor. megatron-core 0.16/0.17:
+`install()` wraps `GPTModel._postprocess`, which calls the processor with the >= 0.18 keywords. Both are
+idempotent, reversible (`uninstall`) and pass through when the plugin is disabled, when labels are absent
+(generation wants logits) or when an inference context is given.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import functools
 import inspect
 import threading
 
+from .guards import check_config
 from .processor import logp_output_processor
 from .settings import LogpSettings, check_backend_allowed, get_settings
 
@@ -108,6 +111,8 @@ def _make_forward(orig):
                     and bound.get("inference_params") is None:
                 kwargs["output_processor"] = logp_output_processor
                 kwargs["output_processor_context"] = settings
+        if kwargs.get("output_processor") is logp_output_processor:
+            check_config(self.config)       # _postprocess runs the MTP block and loss before output_processor
         return orig(self, *args, **kwargs)
 
     forward.__fused_logp_wrapper__ = True

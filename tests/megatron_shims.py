@@ -1,4 +1,4 @@
-"""Test-only shims that let megatron-core 0.16.1's GPTModel run forward and backward on CPU with gloo.
+"""Test-only shims that let megatron-core's GPTModel (0.16.1, 0.19.2) run forward and backward on CPU with gloo.
 
 Each shim replaces one CUDA-only piece; nothing else of Megatron is replaced:
   * GlobalMemoryBuffer.get_tensor  - allocates its scratch buffer on torch.cuda.current_device(); the shim

@@ -1,8 +1,10 @@
-"""Megatron plugin on real megatron-core (0.16.1 in CI), world size 1 over gloo, CPU oracle backend."""
+"""Megatron plugin on real megatron-core (0.16.1 in CI; also run on 0.19.2), world size 1 over gloo, CPU oracle
+backend."""
 from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import warnings
 from pathlib import Path
 
@@ -126,6 +128,44 @@ def test_hook_point_for_this_megatron():
     mp.uninstall()
     assert GPTModel.__dict__[expect] is orig and not mp.is_installed()
     mp.uninstall()                                                                                   # idempotent
+
+
+def test_processor_route_for_this_megatron(tied, monkeypatch):
+    """>= 0.18: Megatron's own, unpatched _postprocess calls the processor through output_processor;
+    0.16/0.17: the plugin's _postprocess wrapper calls it."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from fused_logp.megatron_plugin import hook
+
+    wrapped, _ = tied
+    ids, pos, mask, labels = ms.batch(B, S, REAL, seed=13)
+    settings = mp.configure("contract", temperature=0.7, vocab_size=REAL)
+    orig_postprocess = GPTModel.__dict__["_postprocess"]
+    calls = []
+
+    def spy(**kw):
+        calls.append((sys._getframe(1).f_code, kw))
+        return mp.logp_output_processor(**kw)
+
+    monkeypatch.setattr(hook, "logp_output_processor", spy)
+    mp.install()
+    with torch.no_grad():
+        out = wrapped(ids, pos, mask, labels=labels)
+    assert isinstance(out, mp.LogpOutput) and len(calls) == 1
+    caller, kw = calls[0]
+    if mp.megatron_core_version() < (0, 18):
+        assert caller is GPTModel.__dict__["_postprocess"].__code__
+        return
+    assert GPTModel.__dict__["_postprocess"] is orig_postprocess and caller is orig_postprocess.__code__
+    assert kw["context"] is settings and "scale_logits" in kw
+    mine = object()
+    with torch.no_grad():                            # a caller's own output_processor is left alone
+        assert wrapped(ids, pos, mask, labels=labels, output_processor=lambda **_: mine) is mine
+    mp.uninstall()
+    with torch.no_grad():                            # passed directly, without install()
+        direct = wrapped(ids, pos, mask, labels=labels, output_processor=mp.logp_output_processor,
+                         output_processor_context={"temperature": 0.7, "vocab_size": REAL})
+    assert torch.equal(direct.logp, out.logp) and torch.equal(direct.lse, out.lse)
 
 
 def test_flag_off_leaves_megatron_untouched(tied):

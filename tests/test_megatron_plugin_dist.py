@@ -111,12 +111,23 @@ def _tp_checks(rank, res):
     mp.uninstall()
 
 
+def _cp_split(batch, cp_group):
+    """Megatron's own CP split of a [b, s, ...] batch (no packed sequences)."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:     # a required argument in 0.19
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+
+
 def _cp_checks(rank, res):
     import fused_logp
     from fused_logp import megatron_plugin as mp
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
+    cp_group = parallel_state.get_context_parallel_group()
     mp.configure("contract", temperature=T, vocab_size=REAL)
     _, gpt = ms.build_tiny_gpt(vocab_size=PADDED, tied=False, seed=5)
     g = torch.Generator().manual_seed(23)
@@ -124,8 +135,8 @@ def _cp_checks(rank, res):
     labels = torch.randint(0, REAL, (B, S), generator=g)
     loss_mask = torch.ones(B, S)
     loss_mask[0, 5] = 0
-    local = get_batch_on_this_cp_rank({"hidden": h_full.transpose(0, 1).contiguous(), "labels": labels,
-                                       "loss_mask": loss_mask})                    # Megatron's own CP split
+    local = _cp_split({"hidden": h_full.transpose(0, 1).contiguous(), "labels": labels, "loss_mask": loss_mask},
+                      cp_group)
     out = mp.logp_output_processor(hidden_states=local["hidden"].transpose(0, 1).contiguous(),
                                    output_layer=gpt.output_layer, labels=local["labels"],
                                    loss_mask=local["loss_mask"], config=gpt.config)
@@ -133,9 +144,8 @@ def _cp_checks(rank, res):
                                  temperature=T, vocab_size=REAL)
     full_logp = ref.logp.view(S, B).t() * loss_mask
     full_lse = ref.lse.view(S, B).t() * loss_mask
-    mine = get_batch_on_this_cp_rank({"logp": full_logp, "lse": full_lse})
+    mine = _cp_split({"logp": full_logp, "lse": full_lse}, cp_group)
     res["cp_rows_equal"] = torch.equal(out.logp, mine["logp"]) and torch.equal(out.lse, mine["lse"])
-    cp_group = parallel_state.get_context_parallel_group()
     res["cp_gather_equal"] = torch.equal(mp.gather_context_parallel(out.logp, cp_group), full_logp)
 
 
