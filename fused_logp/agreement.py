@@ -26,14 +26,14 @@ import torch
 PROMPTS = [[11, 12, 13, 14], [3, 900, 41], [7, 8], [250, 251, 252, 253, 254], [99], [500, 17, 18]]
 TEMPERATURES = [1.0, 0.7, 1.3, 1.0, 0.7, 1.3]
 MAX_TOKENS = 12
-ENGINE_KW = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=8,
-                 max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20, seed=0, disable_log_stats=True)
 
 
 def _engine(model_dir, plugin_cfg=None):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
-    return LLM(model=str(model_dir), **ENGINE_KW, **({"additional_config": plugin_cfg} if plugin_cfg else {}))
+
+    from .tiny_model import VLLM_ENGINE_KW
+    return LLM(model=str(model_dir), **VLLM_ENGINE_KW, **({"additional_config": plugin_cfg} if plugin_cfg else {}))
 
 
 def step_rollout(work: Path, strict: bool):

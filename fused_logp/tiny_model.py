@@ -21,6 +21,10 @@ DEFAULTS = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num
                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
                 bos_token_id=1, eos_token_id=2)
 LM_HEAD_STD = 0.5
+# A CPU vLLM engine for this model: token-id prompts, bf16, small KV cache, eager.
+VLLM_ENGINE_KW = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+                      max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20, seed=0,
+                      disable_log_stats=True)
 
 
 def make_tiny_qwen3(path: str | os.PathLike, *, seed: int = 0, tie: bool = False, **overrides) -> Path:

@@ -24,7 +24,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_helpers import (ENGINE_KW, VOCAB, lm_head_weight, make_tiny_qwen3,  # noqa: E402
+from vllm_helpers import (VOCAB, in_process_llm, lm_head_weight, make_tiny_qwen3,  # noqa: E402
                           op_logp_rows, rewrite_lm_head)
 
 from fused_logp import linear_logp, weight_fingerprint  # noqa: E402
@@ -41,16 +41,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")        # in-process: one engine start for the module
-    mp.delenv("FUSED_LOGP_VLLM", raising=False)
-    from vllm import LLM
-
-    engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(PLUGIN_CFG))
-    engine.collective_rpc("fused_logp_captured")
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    mp.undo()
+    yield from in_process_llm(model_dir, PLUGIN_CFG)
 
 
 def _effective_t(t):

@@ -7,7 +7,6 @@ logp bit for bit (-inf for a column outside the kept set). What the program cann
 """
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -18,7 +17,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_helpers import ENGINE_KW, lm_head_weight, make_tiny_qwen3  # noqa: E402
+from vllm_helpers import in_process_llm, lm_head_weight, make_tiny_qwen3  # noqa: E402
 
 from fused_logp import linear_logp  # noqa: E402
 from fused_logp.kernel.op import linear_logp_program  # noqa: E402
@@ -46,16 +45,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    mp.delenv("FUSED_LOGP_VLLM", raising=False)
-    from vllm import LLM
-
-    engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(PLUGIN_CFG))
-    engine.collective_rpc("fused_logp_captured")
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    mp.undo()
+    yield from in_process_llm(model_dir, PLUGIN_CFG)
 
 
 def _program(t, k, p, m):

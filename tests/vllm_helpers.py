@@ -7,8 +7,24 @@ from pathlib import Path
 import torch
 
 from fused_logp.tiny_model import HIDDEN, VOCAB, lm_head_weight, make_tiny_qwen3  # noqa: F401  (vLLM pads 1000 -> 1024)
-ENGINE_KW = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=8,
-                 max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20, seed=0, disable_log_stats=True)
+from fused_logp.tiny_model import VLLM_ENGINE_KW as ENGINE_KW
+
+
+def in_process_llm(model_dir, plugin_cfg):
+    """One in-process vLLM engine with the plugin for a test module (yields it; shuts it down after)."""
+    import copy
+
+    import pytest
+    from vllm import LLM
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.delenv("FUSED_LOGP_VLLM", raising=False)
+    engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(plugin_cfg))
+    engine.collective_rpc("fused_logp_captured")
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    mp.undo()
 
 
 def rewrite_lm_head(src: str | os.PathLike, dst: str | os.PathLike, *, seed: int) -> torch.Tensor:
