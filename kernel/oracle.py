@@ -126,17 +126,28 @@ def tile_stats(z: np.ndarray, temperature: np.ndarray, n_real: int, keep: np.nda
     return tmax, tsum, zs
 
 
-def merge(tile_max: np.ndarray, tile_sum: np.ndarray, target_logit: np.ndarray):
-    """Row merge over global tiles in ascending order. [N, T], [N, T], [N] fp32 -> (logp [N], lse [N])."""
+def row_lse(tile_max: np.ndarray, tile_sum: np.ndarray) -> np.ndarray:
+    """lse of each row from its global tiles in ascending order. [N, T], [N, T] fp32 -> [N] fp32."""
     with np.errstate(invalid="ignore", over="ignore"):
         m = tile_max.max(axis=1)                                          # NaN-propagating
         w = contract_exp(tile_max - m[:, None])
         s = (tile_sum[:, 0] * w[:, 0]).astype(np.float32)
         for t in range(1, tile_max.shape[1]):
             s = (s + tile_sum[:, t] * w[:, t]).astype(np.float32)
-        lse = (m + contract_log(s)).astype(np.float32)
-        logp = np.minimum(target_logit - lse, np.float32(0.0)).astype(np.float32)
-    return logp, lse
+        return (m + contract_log(s)).astype(np.float32)
+
+
+def selected_logp(target_logit: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """min(z'_target - lse, 0); target_logit [N] or [N, C] (several targets per row), lse [N]."""
+    lse_b = lse if target_logit.ndim == 1 else lse[:, None]
+    with np.errstate(invalid="ignore"):
+        return np.minimum(target_logit - lse_b, np.float32(0.0)).astype(np.float32)
+
+
+def merge(tile_max: np.ndarray, tile_sum: np.ndarray, target_logit: np.ndarray):
+    """Row merge over global tiles in ascending order. [N, T], [N, T], [N] fp32 -> (logp [N], lse [N])."""
+    lse = row_lse(tile_max, tile_sum)
+    return selected_logp(target_logit, lse), lse
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -22,7 +22,7 @@ import torch
 
 from ..shared_contract.constants import TRANSFORM_PROGRAM_VERSION
 from ..shared_contract.errors import ContractInputError
-from .oracle import merge, tile_stats
+from .oracle import row_lse, selected_logp, tile_stats
 from .transcendentals import contract_exp, contract_log
 
 
@@ -62,7 +62,7 @@ class TransformProgram:
 def _lse_over(zs: np.ndarray, keep: np.ndarray) -> np.ndarray:
     ones = np.ones(zs.shape[0], dtype=np.float32)
     tmax, tsum, _ = tile_stats(zs, ones, zs.shape[1], keep=keep)
-    return merge(tmax, tsum, np.zeros(zs.shape[0], dtype=np.float32))[1]
+    return row_lse(tmax, tsum)
 
 
 def kept_set(zs: np.ndarray, program: TransformProgram) -> np.ndarray:
@@ -93,17 +93,19 @@ def kept_set(zs: np.ndarray, program: TransformProgram) -> np.ndarray:
 
 def program_logp_from_logits(logits: torch.Tensor, targets: torch.Tensor, program: TransformProgram, *,
                              vocab_size: int | None = None, rows_per_chunk: int = 64, require_kept: bool = True):
-    """logp/lse_kept under `program` from FP32 unscaled logits [N, V]; returns (logp [N], lse_kept [N], kept [N])
-    where kept says whether each target is in its row's kept set. With require_kept, a target outside it raises."""
+    """logp/lse_kept under `program` from FP32 unscaled logits [N, V]. targets [N], or [N, C] for several ids per
+    row (the kept set and lse_kept are computed once per row). Returns (logp shaped like targets, lse_kept [N],
+    kept shaped like targets: whether each id is in its row's kept set). With require_kept, an id outside it
+    raises."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         raise ContractInputError(f"logits must be a 2-D torch.float32 tensor; got {logits.dtype} {tuple(logits.shape)}")
     v = logits.shape[1] if vocab_size is None else vocab_size
     n = logits.shape[0]
     t32 = np.float32(program.temperature)
-    logp = np.empty(n, dtype=np.float32)
-    lse = np.empty(n, dtype=np.float32)
-    in_set = np.empty(n, dtype=bool)
     tg = targets.detach().cpu().numpy().astype(np.int64)
+    logp = np.empty(tg.shape, dtype=np.float32)
+    lse = np.empty(n, dtype=np.float32)
+    in_set = np.empty(tg.shape, dtype=bool)
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(n, r0 + rows_per_chunk)
         z = logits[r0:r1, :v].detach().cpu().numpy().astype(np.float32)
@@ -111,14 +113,14 @@ def program_logp_from_logits(logits: torch.Tensor, targets: torch.Tensor, progra
             zs = (z / t32).astype(np.float32)
         keep = kept_set(zs, program)
         tmax, tsum, _ = tile_stats(zs, np.ones(r1 - r0, dtype=np.float32), v, keep=keep)
-        rows = np.arange(r1 - r0)
-        lp, ls = merge(tmax, tsum, zs[rows, tg[r0:r1]])
-        logp[r0:r1], lse[r0:r1] = lp, ls
+        rows = np.arange(r1 - r0) if tg.ndim == 1 else np.arange(r1 - r0)[:, None]
+        lse[r0:r1] = row_lse(tmax, tsum)
+        logp[r0:r1] = selected_logp(zs[rows, tg[r0:r1]], lse[r0:r1])
         in_set[r0:r1] = keep[rows, tg[r0:r1]]
     if require_kept and not in_set.all():
-        bad = int(np.flatnonzero(~in_set)[0])
-        raise ContractInputError(f"targets[{bad}]={int(tg[bad])} is outside its row's kept set under {program}: "
-                                 f"it cannot have been sampled by this program")
+        bad = np.argwhere(~in_set)[0]
+        raise ContractInputError(f"targets[{', '.join(map(str, bad))}]={int(tg[tuple(bad)])} is outside its row's kept "
+                                 f"set under {program}: it cannot have been sampled by this program")
     dev = logits.device
     return torch.from_numpy(logp).to(dev), torch.from_numpy(lse).to(dev), torch.from_numpy(in_set).to(dev)
 

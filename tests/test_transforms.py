@@ -108,3 +108,17 @@ def test_target_outside_kept_set_is_refused(gen):
 def test_program_arguments_checked(kwargs, msg):
     with pytest.raises(ContractInputError, match=msg):
         TransformProgram(**kwargs)
+
+
+def test_several_ids_per_row_equal_one_id_calls(gen):
+    """The [N, C] form (kept set once per row) gives each column the bytes of its own single-id call."""
+    h, w = _data(gen, n=5)
+    z = linear_logp(h, w, torch.zeros(5, dtype=torch.long), return_logits=True).logits
+    program = TransformProgram(0.9, top_k=50, top_p=0.9)
+    ids = torch.randint(0, V, (5, 4), generator=gen)
+    ids[:, 0] = kept_mask(z, program).float().argmax(dim=1)
+    lp, lse, kept = program_logp_from_logits(z, ids, program, require_kept=False)
+    assert lp.shape == (5, 4) and kept.shape == (5, 4) and kept[:, 0].all()
+    for c in range(4):
+        one, lse1, kept1 = program_logp_from_logits(z, ids[:, c], program, require_kept=False)
+        assert bits_equal(lp[:, c].contiguous(), one) and bits_equal(lse, lse1) and torch.equal(kept[:, c], kept1)

@@ -108,11 +108,9 @@ def rescore(lt, z: torch.Tensor, temperature: torch.Tensor, mark: Mark, *, req_i
     new = torch.stack(cols, dim=1)
     for prog, rows in program_groups(programs, z.shape[1]).items():
         idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
-        zr = z.index_select(0, idx)
-        for c in range(ids64.shape[1]):
-            lp, _, kept = program_logp_from_logits(zr, ids64.index_select(0, idx)[:, c], prog,
-                                                   vocab_size=z.shape[1], require_kept=False)
-            new[idx, c] = torch.where(kept, lp, torch.full_like(lp, float("-inf"))).to(new.device)
+        lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
+                                               vocab_size=z.shape[1], require_kept=False)
+        new[idx] = torch.where(kept, lp, torch.full_like(lp, float("-inf"))).to(new.device)
     new = new.to(old.device)
     new = torch.where(torch.isneginf(old), old, new)
     st.rows_rescored += int(new.shape[0])
