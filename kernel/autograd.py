@@ -49,7 +49,7 @@ def logp_grads(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, *
         z = torch.mm(h, w.T, out_dtype=torch.float32) if fast else h @ w.T   # [N, C]
         if bias is not None:
             z += bias[c0:c1].to(dt)
-        p = torch.exp(z.div_(temp).sub_(lse))
+        p = z.div_(temp).sub_(lse).exp_()                                   # in place: one [N, C] buffer
         dzs = p.mul_(coef)
         own = (local_t >= c0) & (local_t < c1)
         dzs[rows[own], (local_t[own] - c0)] += g_logp[own]
