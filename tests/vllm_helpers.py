@@ -82,8 +82,28 @@ def _offline(model_dir: str, cfg: str, sampling: str = "{}") -> None:
     print(json.dumps(result))
 
 
+def _tensor_parallel(model_dir: str, tp: str) -> None:
+    """Generate with TP ranks in worker processes; print the status of every rank and the captured rows."""
+    import json
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, tensor_parallel_size=int(tp), distributed_executor_backend="mp", **ENGINE_KW,
+              additional_config={"fused_logp": {"enabled": True, "strict": True, "capture": True}})
+    params = [SamplingParams(max_tokens=5, logprobs=3, temperature=t, seed=3 + i) for i, t in enumerate([0.8, 1.0, 1.3])]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in ([5, 6, 7], [900, 2, 33, 4], [11])], params,
+                 use_tqdm=False)
+    status = [{"rank": s["rank"], "active": s["active"], "fingerprint": s["heads"][0]["fingerprint"]}
+              for s in llm.collective_rpc("fused_logp_status")]
+    captured = llm.collective_rpc("fused_logp_captured")
+    print(json.dumps({"status": status, "captured": captured}))
+
+
 if __name__ == "__main__":
     import sys
 
     if sys.argv[1] == "offline":
         _offline(*sys.argv[2:])
+    elif sys.argv[1] == "tp":
+        _tensor_parallel(*sys.argv[2:])
