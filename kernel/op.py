@@ -83,10 +83,14 @@ def _check_vocab(vocab_size, rows, sharded=False):
         raise ContractInputError(f"vocab_size must be in [1, {rows}] (the weight's rows); got {vocab_size}")
 
 
-def _check_targets(targets, n, vocab_size, device):
-    if not isinstance(targets, torch.Tensor) or targets.dim() != 1 or targets.shape[0] != n:
-        raise ContractInputError(f"targets must be a 1-D integer tensor of length N={n}; got "
+def _check_targets(targets, n, vocab_size, device, columns=False):
+    dims = (1, 2) if columns else (1,)
+    if not isinstance(targets, torch.Tensor) or targets.dim() not in dims or targets.shape[0] != n:
+        what = "a 1-D integer tensor [N] or a 2-D one [N, C]" if columns else "a 1-D integer tensor"
+        raise ContractInputError(f"targets must be {what} of length N={n}; got "
                                  f"{getattr(targets, 'shape', type(targets).__name__)}")
+    if targets.dim() == 2 and targets.shape[1] == 0:
+        raise ContractInputError("targets [N, C] must have at least one column")
     if targets.dtype not in (torch.int32, torch.int64):
         raise ContractInputError(f"targets must be torch.int64 or torch.int32; got {targets.dtype}")
     if targets.device != device:
@@ -303,7 +307,9 @@ def _tp_forward(dist, hidden, weight_shard, targets, vocab_start, vocab_size, gr
 
 def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backend=None,
                      strict=None) -> LogpResult:
-    """The contract's statistics and merge over FP32 unscaled logits rows [N, V] (e.g. a gathered vLLM row)."""
+    """The contract's statistics and merge over FP32 unscaled logits rows [N, V] (e.g. a gathered vLLM row).
+    targets [N], or [N, C] for several ids per row (logp [N, C]; the row statistics are computed once where the
+    backend can, else once per column: the same bytes either way)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ContractInputError(f"logits must be a 2-D tensor [N, V]; got "
                                  f"{getattr(logits, 'shape', type(logits).__name__)}")
@@ -312,11 +318,15 @@ def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backe
     vocab_size = logits.shape[1] if vocab_size is None else vocab_size
     _check_vocab(vocab_size, logits.shape[1])
     n, dev = logits.shape[0], logits.device
-    targets = _check_targets(targets, n, vocab_size, dev)
+    targets = _check_targets(targets, n, vocab_size, dev, columns=True)
     temp = _temperature_tensor(temperature, n, dev)
     be, prov = _resolve(backend, strict, dev)
-    logp, lse = be.stats_from_logits(logits[:, :vocab_size].contiguous(), targets, temperature=temp,
-                                     vocab_size=vocab_size)
+    z = logits[:, :vocab_size].contiguous()
+    if targets.dim() == 2 and not getattr(be, "multi_target", False):
+        cols = [be.stats_from_logits(z, targets[:, c].contiguous(), temperature=temp, vocab_size=vocab_size)
+                for c in range(targets.shape[1])]
+        return LogpResult(torch.stack([c[0] for c in cols], dim=1), cols[0][1], None, prov)
+    logp, lse = be.stats_from_logits(z, targets, temperature=temp, vocab_size=vocab_size)
     return LogpResult(logp, lse, None, prov)
 
 

@@ -205,10 +205,14 @@ class OracleBackend:
         logp, lse = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
         return logp, lse, st["logits"]
 
+    multi_target = True          # stats_from_logits takes targets [N] or [N, C]
+
     def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
         dev = logits.device
         z = _np(logits).astype(np.float32)
         tmax, tsum, zs = tile_stats(z, _np(temperature).astype(np.float32), vocab_size)
-        tlogit = zs[np.arange(zs.shape[0]), _np(targets).astype(np.int64)]
-        logp, lse = merge(tmax, tsum, tlogit)
+        tg = _np(targets).astype(np.int64)
+        rows = np.arange(zs.shape[0]) if tg.ndim == 1 else np.arange(zs.shape[0])[:, None]
+        lse = row_lse(tmax, tsum)
+        logp = selected_logp(zs[rows, tg], lse)
         return torch.from_numpy(logp).to(dev), torch.from_numpy(lse).to(dev)

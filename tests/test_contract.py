@@ -228,3 +228,18 @@ def test_accuracy_against_float64(gen, temp):
     tol = 2 * dz / temp + 8 * 2.0 ** -23 * (1 + lse64.abs() + (z64 / temp).abs().max(dim=1).values)
     assert ((res.logp.double() - want).abs() <= tol).all()
     assert ((res.lse.double() - lse64).abs() <= tol).all()
+
+
+def test_stats_from_logits_with_several_ids_per_row(gen):
+    """targets [N, C]: each column has the bytes of its own single-id call, the lse is the row's."""
+    h, w, t = _data(gen, n=6)
+    z = linear_logp(h, w, t, temperature=0.8, return_logits=True).logits
+    ids = torch.randint(0, V, (6, 5), generator=gen)
+    ids[:, 2] = t
+    many = logp_from_logits(z, ids, temperature=0.8)
+    assert many.logp.shape == (6, 5)
+    for c in range(5):
+        one = logp_from_logits(z, ids[:, c].contiguous(), temperature=0.8)
+        assert bits_equal(many.logp[:, c].contiguous(), one.logp) and bits_equal(many.lse, one.lse)
+    torch_path = logp_from_logits(z, ids, temperature=0.8, backend="torch")          # the per-column loop
+    assert torch_path.logp.shape == (6, 5)

@@ -100,12 +100,8 @@ def rescore(lt, z: torch.Tensor, temperature: torch.Tensor, mark: Mark, *, req_i
         return lt
     old = lt.logprobs
     ids64 = ids.to(device=z.device, dtype=torch.int64)
-    cols = []
-    for c in range(ids64.shape[1]):
-        res = logp_from_logits(z, ids64[:, c], temperature=temperature, vocab_size=z.shape[1],
-                               backend=st.settings.backend, strict=st.settings.strict)
-        cols.append(res.logp)
-    new = torch.stack(cols, dim=1)
+    new = logp_from_logits(z, ids64, temperature=temperature, vocab_size=z.shape[1],
+                           backend=st.settings.backend, strict=st.settings.strict).logp
     for prog, rows in program_groups(programs, z.shape[1]).items():
         idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
         lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
