@@ -191,12 +191,11 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, return_l
     n, dev = hidden.shape[0], hidden.device
     targets = _check_targets(targets, n, vocab_size, dev)
     temp = _temperature_tensor(temperature, n, dev)
-    _bias_tensor(bias, weight.shape[0], dev)
+    b32 = _bias_tensor(bias, weight.shape[0], dev)          # fp32, detached: the forward's bias either way
     be, prov = _resolve(backend, strict, dev)
 
-    def forward(h, w, bias_raw):
-        logp, lse, logits = be.linear_logp(h.contiguous(), w.contiguous(), targets,
-                                           bias=_bias_tensor(bias_raw, w.shape[0], dev), temperature=temp,
+    def forward(h, w, _bias):
+        logp, lse, logits = be.linear_logp(h.contiguous(), w.contiguous(), targets, bias=b32, temperature=temp,
                                            return_logits=bool(return_logits), vocab_size=vocab_size)
         return LogpResult(logp, lse, logits, prov)
 
