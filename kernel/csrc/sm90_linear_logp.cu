@@ -276,6 +276,11 @@ std::vector<torch::Tensor> explog(torch::Tensor x) {
 }
 
 }  // namespace
+
+// sm90_backward.cu
+void backward_dz(torch::Tensor z, c10::optional<torch::Tensor> bias, torch::Tensor temperature, torch::Tensor lse,
+                 torch::Tensor coef, torch::Tensor g_logp, torch::Tensor targets, int64_t col_offset,
+                 torch::Tensor out);
 }  // namespace sm90
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -284,4 +289,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logits_stats", &sm90::logits_stats, "contract tile statistics from FP32 logits");
   m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
   m.def("explog", &sm90::explog, "contract exp/log on the device (test hook)");
+  m.def("backward_dz", &sm90::backward_dz, "backward: bf16 logit gradients of one vocabulary chunk");
 }
