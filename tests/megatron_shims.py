@@ -11,6 +11,9 @@ Each shim replaces one CUDA-only piece; nothing else of Megatron is replaced:
     position embeddings instead.
 Apex/TE are absent, so Megatron's local spec uses torch norms (which do not allow sequence parallelism); the
 sequence-parallel path of the plugin is therefore exercised at the output-processor level.
+
+The second half of this file (start_model_parallel, build_qwen3_style_gpt, ...) serves the CUDA runs
+(tests/test_megatron_gpu.py, bench/megatron_tp_nccl.py): NCCL and no shim at all on CUDA.
 """
 from __future__ import annotations
 
@@ -127,3 +130,129 @@ class CaptureFinalHidden:
 
     def remove(self):
         self._h.remove()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA (NCCL) runs: tests/test_megatron_gpu.py and bench/megatron_tp_nccl.py. On CUDA nothing is shimmed:
+# Megatron's own CUDA RNG tracker (model_parallel_cuda_manual_seed), its default causal mask, RoPE and
+# GlobalMemoryBuffer run as in training. The same code also runs on CPU (gloo, CPU oracle) for a dry run of the
+# checks' own logic; there fused_logp.megatron_cpu supplies the CPU shims (its docstring lists them).
+# ---------------------------------------------------------------------------------------------------------
+
+def start_model_parallel(rank: int = 0, world_size: int = 1, *, tp: int = 1, device: str = "cuda", seed: int = 1234):
+    """Process group (NCCL on "cuda", one GPU per rank; gloo on "cpu") unless one exists (torchrun scripts
+    create their own), Megatron's model-parallel state and RNG. Returns True when it created the process group."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from fused_logp import megatron_cpu
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        megatron_cpu.install()
+    return created
+
+
+def stop_model_parallel(destroy_process_group: bool = True):
+    from megatron.core import parallel_state
+
+    from fused_logp import megatron_cpu
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    megatron_cpu.uninstall()
+
+
+def build_qwen3_style_gpt(*, vocab_size, hidden, heads, query_groups, ffn, seq, tied, layers=1, tp=1, seed=1234,
+                          device="cuda", init_std=0.05):
+    """A bf16 GPTModel with Qwen3's layer structure (RMSNorm, RoPE, grouped-query attention with qk-norm,
+    SwiGLU, no biases; Megatron's local spec), wrapped in Float16Module. On "cuda" Megatron initializes the
+    weights on the GPU under its CUDA RNG tracker, as in training; on "cpu" on the CPU. Returns (wrapped, gpt)."""
+    import torch.nn.functional as F
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                            num_query_groups=query_groups, kv_channels=hidden // heads, ffn_hidden_size=ffn,
+                            normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True,
+                            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+                            hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+                            use_cpu_initialization=device != "cuda", params_dtype=torch.bfloat16, bf16=True,
+                            init_method_std=init_std, transformer_impl="local")
+    gpt = GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), vocab_size=vocab_size,
+                   max_sequence_length=seq, position_embedding_type="rope", rotary_percent=1.0,
+                   rotary_base=1000000, share_embeddings_and_output_weights=tied)
+    if device == "cuda":
+        gpt.cuda(torch.cuda.current_device())          # torch norms are built on the CPU (megatron.training does this too)
+    return Float16Module(cfg, gpt), gpt
+
+
+def token_batch(b: int, s: int, real_vocab: int, seed: int = 7, device: str = "cpu"):
+    """(input ids, position ids, labels), each [b, s]; identical on every rank for one seed."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, real_vocab, (b, s), generator=g)
+    labels = torch.randint(0, real_vocab, (b, s), generator=g)
+    pos = torch.arange(s).expand(b, s).contiguous()
+    return ids.to(device), pos.to(device), labels.to(device)
+
+
+def lm_head_weight(gpt) -> torch.Tensor:
+    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+        else gpt.output_layer.weight
+
+
+def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's x along dim 0, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def fp32_reference_grads(h2, w, targets, rows_mask, temperature, real_vocab, c_lse):
+    """FP32 torch gradients (IEEE matmul, no TF32) of -sum(logp) + c_lse * sum(lse) over the rows where
+    rows_mask != 0, logp from log_softmax over the real vocabulary. h2 [N, D], w [V_rows, D], targets [N].
+    Returns (dh [N, D], dW [V_rows, D]) in FP32 (zero rows of dW beyond the real vocabulary)."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.enable_grad():
+            h32 = h2.detach().float().requires_grad_()
+            w32 = w.detach().float().requires_grad_()
+            z = (h32 @ w32[:real_vocab].t()) / temperature
+            lp = torch.log_softmax(z, dim=1).gather(1, targets.clamp(0, real_vocab - 1)[:, None]).squeeze(1)
+            lse = torch.logsumexp(z, dim=1)
+            m = rows_mask.float()
+            (-(lp * m).sum() + c_lse * (lse * m).sum()).backward()
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    return h32.grad, w32.grad
+
+
+def grad_close(got, ref, tol: float = 2 ** -6):
+    """(ok, max |got - ref|, relative norm error): |got - ref| <= tol * (|ref| + max|ref|) elementwise and
+    ||got - ref|| <= tol * ||ref||. tol = 2^-6 as tests/test_backward_gpu.py: the op's CUDA backward feeds dz to
+    its GEMMs in bf16 (relative 2^-9) and stores bf16 gradients (2^-9); the FP32 reference's logits differ from
+    the contract's only in GEMM rounding (far below that)."""
+    got, ref = got.float(), ref.float()
+    diff = (got - ref).abs()
+    rel = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    ok = bool((diff <= tol * (ref.abs() + ref.abs().max())).all()) and rel <= tol
+    return ok, float(diff.max()), rel
