@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-gpu bench-gpu clean
+.PHONY: demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,37 @@ bench-gpu: $(GPU_PKG)
 	$(GPU_ENV) $(PYTHON) -P bench/tp_validation.py
 	$(GPU_ENV) $(PYTHON) -P bench/benchmark_transforms.py
 	$(GPU_ENV) $(PYTHON) -P -m fused_logp.cli ladder --out $${OUT:-out}/ladder
+
+# megatron-core 0.19.x on the SM90 machine, which has no package index: `make megatron-wheels` here (pip reaches
+# PyPI) puts the cp312 manylinux wheel in build/wheels (its requirements, torch, numpy and packaging, are on the
+# GPU machine); carried there (`carry: [build/wheels]`), `make test-megatron-gpu` installs it into
+# build/megatron-site, runs the plugin's GPU tests and, when two GPUs are visible, TP=2 over NCCL.
+MEGATRON_CORE := megatron-core==0.19.2
+MEGATRON_SITE := build/megatron-site
+MEGATRON_ENV := PYTHONPATH=$(CURDIR)/$(GPU_PKG):$(CURDIR)/tests:$(CURDIR)/$(MEGATRON_SITE) PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+
+megatron-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+		-d build/wheels '$(MEGATRON_CORE)'
+	ls -l build/wheels
+
+test-megatron-gpu: $(GPU_PKG)
+	@ls build/wheels/megatron_core-*.whl >/dev/null 2>&1 || { echo "no megatron-core wheel in build/wheels:" \
+		"run make megatron-wheels where pip reaches PyPI, and carry build/wheels"; exit 1; }
+	rm -rf $(MEGATRON_SITE)
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --find-links build/wheels \
+		--target $(MEGATRON_SITE) megatron-core
+	$(MEGATRON_ENV) $(PYTHON) -P -c 'import torch, megatron.core as m; print("megatron-core", m.__version__)'
+	@status=0; \
+	$(MEGATRON_ENV) timeout 330 $(PYTHON) -P -m pytest -q -ra -p no:cacheprovider tests/test_megatron_gpu.py \
+		|| status=1; \
+	n=$$($(PYTHON) -c 'import torch; print(torch.cuda.device_count())'); \
+	if [ "$$n" -ge 2 ]; then \
+		$(MEGATRON_ENV) timeout 240 $(PYTHON) -P -m torch.distributed.run --standalone --nproc-per-node 2 \
+			bench/megatron_tp_nccl.py --out $${OUT:-out} || status=1; \
+	else echo "test-megatron-gpu: $$n GPU visible; TP=2 over NCCL (bench/megatron_tp_nccl.py) needs 2"; fi; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info
