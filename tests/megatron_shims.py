@@ -148,11 +148,16 @@ def start_model_parallel(rank: int = 0, world_size: int = 1, *, tp: int = 1, dev
 
     created = not dist.is_initialized()
     if created:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+        backend = "nccl" if device == "cuda" else "gloo"
+        if world_size == 1:
+            # one process: an in-memory store, no port (a port chosen here can collide with a parent's store)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(free_port())
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
