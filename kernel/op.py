@@ -30,6 +30,8 @@ from ..shared_contract.registry import select_backend
 from .autograd import LinearLogpFunction
 
 _FLOAT_BIAS = (torch.bfloat16, torch.float16, torch.float32)
+# linear_logp_program on CUDA: rows of FP32 logits per GEMM chunk (512 x 151936 x 4 B = 311 MB at Qwen3-8B).
+PROGRAM_ROWS_PER_CHUNK_CUDA = 512
 
 
 @dataclasses.dataclass
@@ -329,22 +331,27 @@ def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backe
     return LogpResult(logp, lse, None, prov)
 
 
-def linear_logp_program(hidden, weight, targets, program, *, vocab_size=None, rows_per_chunk=64, backend=None,
-                        strict=None) -> LogpResult:
+def linear_logp_program(hidden, weight, targets, program, *, vocab_size=None, rows_per_chunk=None, backend=None,
+                        strict=None, transform_path=None) -> LogpResult:
     """Trainer side of the sampling-transform program: logp of each target under `program` (temperature,
     top-k, top-p, min-p), from the op's FP32 logits computed `rows_per_chunk` rows at a time (memory
-    [rows_per_chunk, V] FP32, never [N, V]). A target outside its row's kept set raises ContractInputError."""
+    [rows_per_chunk, V] FP32, never [N, V]; default 64 rows on CPU, PROGRAM_ROWS_PER_CHUNK_CUDA on CUDA). The
+    kept set is computed on the logits' device (transforms.program_logp_from_logits; `transform_path` forces
+    'numpy' or 'torch', the same bytes). A target outside its row's kept set raises ContractInputError."""
     from .transforms import program_logp_from_logits
 
     _check_hidden_weight(hidden, weight)
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     _check_vocab(vocab_size, weight.shape[0])
     targets = _check_targets(targets, hidden.shape[0], vocab_size, hidden.device)
+    if rows_per_chunk is None:
+        rows_per_chunk = PROGRAM_ROWS_PER_CHUNK_CUDA if hidden.device.type == "cuda" else 64
     logps, lses, prov = [], [], None
     for r0 in range(0, hidden.shape[0], rows_per_chunk):
         res = linear_logp(hidden[r0:r0 + rows_per_chunk], weight, targets[r0:r0 + rows_per_chunk],
                           return_logits=True, vocab_size=vocab_size, backend=backend, strict=strict)
-        lp, ls, _ = program_logp_from_logits(res.logits, targets[r0:r0 + rows_per_chunk], program)
+        lp, ls, _ = program_logp_from_logits(res.logits, targets[r0:r0 + rows_per_chunk], program,
+                                             path=transform_path)
         logps.append(lp)
         lses.append(ls)
         prov = res.provenance

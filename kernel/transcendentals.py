@@ -83,3 +83,101 @@ def contract_log(x) -> np.ndarray:
         y = np.where(np.isposinf(x), np.float32(np.inf), y)
         y = np.where((x < 0) | np.isnan(x), np.float32(np.nan), y)
     return y.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The same functions on torch tensors (CPU or CUDA), for the device-side sampling-transform program.
+#
+# Each line is one torch elementwise op: one kernel, one correctly rounded binary32 add/sub/mul per element
+# (a result is stored between ops, so nothing can be contracted into an FMA), or exact integer/bit work. An
+# op with a Python-number operand rounds that number to binary32 (exact for every constant here). CPU and CUDA
+# therefore give the numpy functions' bits; tests/test_transforms.py checks it on CPU, tests/test_transforms_gpu.py
+# on the H200.
+# ---------------------------------------------------------------------------------------------------------
+
+def _f(b) -> float:
+    return float(b)
+
+
+_T_LOG2E, _T_SHIFTER, _T_LN2_HI, _T_LN2_LO = _f(LOG2E), _f(SHIFTER), _f(LN2_HI), _f(LN2_LO)
+_T_EXP_POLY = tuple(_f(c) for c in EXP_POLY)
+_T_EXP_X_MAX, _T_EXP_X_MIN = _f(EXP_X_MAX), _f(EXP_X_MIN)
+_T_LOG_POLY = tuple(_f(c) for c in LOG_POLY)
+_T_FLT_MIN = 2.0 ** -126                                  # np.float32(1.1754944e-38): the smallest normal
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _pow2_torch(n):
+    """2^n as binary32 for an int32 tensor n in [-126, 127]; consumes n (exact bit construction)."""
+    return n.add_(127).bitwise_left_shift_(23).view(_torch().float32)
+
+
+def contract_exp_torch(x):
+    """contract_exp on a float32 torch tensor (any device, any shape): the numpy function's bits."""
+    torch = _torch()
+    if x.dtype != torch.float32:
+        raise TypeError(f"contract_exp_torch needs float32; got {x.dtype}")
+    r = x.clamp(_T_EXP_X_MIN, _T_EXP_X_MAX)             # xc (NaN stays NaN); r's buffer from here on
+    k = r * _T_LOG2E
+    k.add_(_T_SHIFTER)
+    k.sub_(_T_SHIFTER)                                  # round-to-nearest-even(xc*log2e), as binary32
+    t = k * _T_LN2_HI
+    r.sub_(t)                                           # xc - k*LN2_HI
+    torch.mul(k, _T_LN2_LO, out=t)
+    r.sub_(t)                                           # (xc - k*LN2_HI) - k*LN2_LO
+    c2, c3, c4, c5, c6, c7 = _T_EXP_POLY
+    p = torch.mul(r, c7, out=t)
+    p.add_(c6)
+    for c in (c5, c4, c3, c2, 1.0, 1.0):                # p = c + r*p: the product, then the sum
+        p.mul_(r)
+        p.add_(c)
+    del r
+    n1 = k.to(torch.int32)                              # k is an integer in [-150, 128] (garbage for NaN: fixed below)
+    del k
+    n2 = n1.clone()
+    n1.bitwise_right_shift_(1)                          # floor(n/2)
+    n2.sub_(n1)                                         # n - floor(n/2)
+    p.mul_(_pow2_torch(n1))                             # exact
+    p.mul_(_pow2_torch(n2))                             # rounds once
+    p.masked_fill_(x > _T_EXP_X_MAX, float("inf"))
+    p.masked_fill_(x < _T_EXP_X_MIN, 0.0)
+    return torch.where(torch.isnan(x), x, p)
+
+
+def contract_log_torch(x):
+    """contract_log on a float32 torch tensor (any device, any shape): the numpy function's bits."""
+    torch = _torch()
+    if x.dtype != torch.float32:
+        raise TypeError(f"contract_log_torch needs float32; got {x.dtype}")
+    sub = (x > 0) & (x < _T_FLT_MIN)
+    xs = torch.where(sub, x * 8388608.0, x)             # subnormals: exact scaling by 2^23
+    bits = xs.view(torch.int32)
+    e = bits.bitwise_right_shift(23)
+    e.bitwise_and_(0xFF)
+    e.sub_(127)
+    e.sub_(sub.to(torch.int32) * 23)
+    mbits = bits.bitwise_and(0x7FFFFF)
+    mbits.bitwise_or_(0x3F800000)                       # m in [1, 2)
+    big = mbits > 0x3FB504F3                            # m > sqrt(2): use m/2 and e+1
+    mbits.sub_(big.to(torch.int32) * 0x00800000)
+    e.add_(big.to(torch.int32))
+    f = mbits.view(torch.float32).sub(1.0)              # exact (Sterbenz)
+    q = torch.full_like(f, _T_LOG_POLY[-1])
+    for c in _T_LOG_POLY[-2::-1]:                       # q = c + f*q
+        q.mul_(f)
+        q.add_(c)
+    ef = e.to(torch.float32)
+    t = f * f
+    t.mul_(q)                                           # (f*f)*q
+    y = ef * _T_LN2_LO
+    y.add_(t)                                           # t + e*LN2_LO (commutative: one rounding)
+    y.add_(f)                                           # f + (...)
+    y.add_(ef.mul_(_T_LN2_HI))                          # e*LN2_HI + (...)
+    y.masked_fill_(x == 0, float("-inf"))
+    y.masked_fill_(torch.isposinf(x), float("inf"))
+    y.masked_fill_((x < 0) | torch.isnan(x), float("nan"))
+    return y

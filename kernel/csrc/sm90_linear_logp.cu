@@ -281,6 +281,8 @@ std::vector<torch::Tensor> explog(torch::Tensor x) {
 void backward_dz(torch::Tensor z, c10::optional<torch::Tensor> bias, torch::Tensor temperature, torch::Tensor lse,
                  torch::Tensor coef, torch::Tensor g_logp, torch::Tensor targets, int64_t col_offset,
                  torch::Tensor out);
+// sm90_transforms.cu
+torch::Tensor topp_crossing(torch::Tensor q, double p);
 }  // namespace sm90
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -290,4 +292,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
   m.def("explog", &sm90::explog, "contract exp/log on the device (test hook)");
   m.def("backward_dz", &sm90::backward_dz, "backward: bf16 logit gradients of one vocabulary chunk");
+  m.def("topp_crossing", &sm90::topp_crossing, "top-p: first sequential binary32 prefix sum >= p per row");
 }
