@@ -28,7 +28,7 @@ test-slow: $(STAMP)
 # On an SM90 machine (H100/H200) with torch and nvcc but no package index: the package is laid out under
 # build/gpu-pkg without installing anything; the extension builds on first use.
 GPU_PKG := build/gpu-pkg
-GPU_TESTS := tests/test_sm90.py tests/test_backward_gpu.py tests/test_transforms_gpu.py
+GPU_TESTS := tests/test_sm90.py tests/test_backward_gpu.py tests/test_transforms_gpu.py tests/test_fingerprint_gpu.py
 GPU_ENV := PYTHONPATH=$(CURDIR)/$(GPU_PKG):$(CURDIR)/tests PYTHONUNBUFFERED=1
 .PHONY: $(GPU_PKG)
 

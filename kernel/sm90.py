@@ -18,7 +18,7 @@ from ..shared_contract import constants as C
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("sm90_linear_logp.cu", "sm90_fused_128x256.cu", "sm90_fused_64x256.cu", "sm90_fused_64x128.cu",
             "sm90_pingpong_64x128.cu", "sm90_pingpong_64x256.cu", "sm90_epiwg_128x128.cu",
-            "sm90_backward.cu", "sm90_transforms.cu")
+            "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 

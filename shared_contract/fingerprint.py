@@ -56,13 +56,30 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
-def _lanes(weight_rows: torch.Tensor, first_row: int) -> list[int]:
+def _device_rows_kernel(words: torch.Tensor):
+    """The SM90 extension's fingerprint_rows (the same integer arithmetic, one pass over the weight) for a
+    CUDA tensor on an SM90 GPU; None elsewhere (the torch construction below then gives the same bytes)."""
+    if not words.is_cuda:
+        return None
+    from ..kernel import sm90
+    with torch.cuda.device(words.device):
+        ok, _ = sm90.SM90Backend().available()
+    return sm90._ext if ok else None
+
+
+def _lanes(weight_rows: torch.Tensor, first_row: int, use_kernel: bool = True) -> list[int]:
     v, d = weight_rows.shape
     if v == 0:
         return [0, 0]
     if d % 4:
         raise ValueError(f"fingerprint needs the hidden size to be a multiple of 4; got {d}")
     words = weight_rows.contiguous().view(torch.int64)            # [v, d/4]
+    ext = _device_rows_kernel(words) if use_kernel else None
+    if ext is not None:
+        mult = torch.stack([_multipliers(words.shape[1], lane, words.device) for lane in (0, 1)])
+        hashes = ext.fingerprint_rows(words, mult, first_row, _to_signed(_GOLDEN[0]), _to_signed(_GOLDEN[1]))
+        total = hashes.sum(dim=0)                                   # int64 sums wrap modulo 2^64
+        return [total[0], total[1]]
     lanes = []
     for lane in (0, 1):
         mult = _multipliers(words.shape[1], lane, words.device)
@@ -79,7 +96,7 @@ def _lanes(weight_rows: torch.Tensor, first_row: int) -> list[int]:
 
 
 def weight_fingerprint(weight_shard: torch.Tensor, *, vocab_start: int = 0, vocab_size: int | None = None,
-                       group=None) -> str:
+                       group=None, _use_kernel: bool = True) -> str:
     """Fingerprint of the real-vocab rows of an lm_head (shard). weight_shard [V_local, D] bf16, its first row
     global id `vocab_start`. With a torch.distributed `group`, the shards' sums are all-reduced. Returns
     '<FINGERPRINT_ID>:<32 hex digits>'."""
@@ -87,7 +104,7 @@ def weight_fingerprint(weight_shard: torch.Tensor, *, vocab_start: int = 0, voca
         raise ValueError(f"weight_shard must be a 2-D bf16 tensor; got {weight_shard.dtype} {tuple(weight_shard.shape)}")
     vocab_size = vocab_start + weight_shard.shape[0] if vocab_size is None else vocab_size
     n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
-    lanes = _lanes(weight_shard[:n_real], vocab_start)
+    lanes = _lanes(weight_shard[:n_real], vocab_start, _use_kernel)
     lanes_t = torch.stack([torch.as_tensor(x, device=weight_shard.device) for x in lanes])
     if group is not None:
         import torch.distributed as dist

@@ -283,6 +283,8 @@ void backward_dz(torch::Tensor z, c10::optional<torch::Tensor> bias, torch::Tens
                  torch::Tensor out);
 // sm90_transforms.cu
 torch::Tensor topp_crossing(torch::Tensor q, double p);
+// sm90_fingerprint.cu
+torch::Tensor fingerprint_rows(torch::Tensor words, torch::Tensor mult, int64_t first_row, int64_t g0, int64_t g1);
 }  // namespace sm90
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -292,5 +294,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
   m.def("explog", &sm90::explog, "contract exp/log on the device (test hook)");
   m.def("backward_dz", &sm90::backward_dz, "backward: bf16 logit gradients of one vocabulary chunk");
+  m.def("fingerprint_rows", &sm90::fingerprint_rows, "lm_head fingerprint: [V, 2] row hashes");
   m.def("topp_crossing", &sm90::topp_crossing, "top-p: first sequential binary32 prefix sum >= p per row");
 }
