@@ -50,16 +50,14 @@ def _dz_kernel(device):
     """The SM90 extension's backward_dz where it is available on this device, else None (logged once)."""
     global _warned
     from . import sm90
-    be = sm90.SM90Backend()
-    with torch.cuda.device(device):
-        ok, why = be.available()
-    if ok:
-        return sm90._ext
-    if not _warned:
+    ext = sm90.extension(device)
+    if ext is None and not _warned:
+        with torch.cuda.device(device):
+            why = sm90.SM90Backend().available()[1]
         _log.warning("backward: the sm90 elementwise kernel is unavailable (%s); using torch elementwise ops "
                      "(same formula, slower; gradient bytes are not contract-bearing)", why)
         _warned = True
-    return None
+    return ext
 
 
 def logp_grads(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, *, vocab_start: int, n_real: int,
@@ -127,7 +125,7 @@ def _grads_cuda_bf16(hidden, weight, bias, targets, temperature, lse, g_logp, g_
     ext = _dz_kernel(dev)
     zbuf = torch.empty(n * chunk, **f32)
     dbuf = torch.empty(n * chunk, dtype=torch.bfloat16, device=dev)
-    rows = torch.arange(n, device=dev)
+    rows = torch.arange(n, device=dev) if ext is None else None
     for c0 in range(0, n_real, chunk):
         c1 = min(n_real, c0 + chunk)
         cc = c1 - c0

@@ -66,6 +66,18 @@ def _build():
         _ext = ext
 
 
+def extension(device):
+    """The built extension when `device` is a CUDA device of compute capability 9.0 and the build succeeded, else
+    None (`SM90Backend().available()` says why). For the entries whose bytes do not depend on it (the backward's
+    elementwise step, the transform program's steps, the fingerprint's row hashes)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    with torch.cuda.device(device):
+        ok, _ = SM90Backend().available()
+    return _ext if ok else None
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

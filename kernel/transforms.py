@@ -169,13 +169,9 @@ _INT32_MAX = 2**31 - 1
 
 def _sm90_ext(device: torch.device):
     """The built SM90 extension when `device` is an SM90 GPU that has it (with the transforms entry), else None."""
-    if device.type != "cuda":
-        return None
     try:
         from . import sm90
-        with torch.cuda.device(device):
-            ok, _ = sm90.SM90Backend().available()
-        ext = sm90._ext if ok else None
+        ext = sm90.extension(device)
     except Exception:  # no usable extension: the host runs the sequential steps
         return None
     return ext if ext is not None and hasattr(ext, "topp_crossing") else None

@@ -62,9 +62,7 @@ def _device_rows_kernel(words: torch.Tensor):
     if not words.is_cuda:
         return None
     from ..kernel import sm90
-    with torch.cuda.device(words.device):
-        ok, _ = sm90.SM90Backend().available()
-    return sm90._ext if ok else None
+    return sm90.extension(words.device)
 
 
 def _lanes(weight_rows: torch.Tensor, first_row: int, use_kernel: bool = True) -> list[int]:
