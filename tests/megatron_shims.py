@@ -224,6 +224,48 @@ def lm_head_weight(gpt) -> torch.Tensor:
         else gpt.output_layer.weight
 
 
+def op_rows(x_bs, mask_bs):
+    """[b, s] -> the op's row order (sequence-major, as [s, b] flattened), masked-in rows only."""
+    flat = x_bs.t().reshape(-1)
+    return flat if mask_bs is None else flat[mask_bs.t().reshape(-1) != 0]
+
+
+def op_hidden_rows(h_sbd, mask_bs):
+    """[s, b, d] hidden states -> the op's rows [N, d], masked-in rows only."""
+    flat = h_sbd.reshape(-1, h_sbd.shape[-1])
+    return flat if mask_bs is None else flat[mask_bs.t().reshape(-1) != 0]
+
+
+def check_megatron_style_step(gpt):
+    """The fingerprint tracker with an optimizer whose step() returns Megatron's (update_successful, grad_norm,
+    num_zeros): a skipped step is not counted, a successful one is, detach() restores the optimizer. Leaves the
+    untied lm_head weight as it found it."""
+    from fused_logp import megatron_plugin as mp
+
+    class Opt:
+        ok = True
+
+        def step(self):
+            with torch.no_grad():
+                gpt.output_layer.weight[0, 0] += 1.0
+            return self.ok, 0.0, 0
+
+    opt = Opt()
+    fp = mp.track_lm_head(gpt, opt)
+    first = fp.fingerprint
+    opt.ok = False
+    assert opt.step()[0] is False and fp.version == 0 and fp.fingerprint == first   # skipped step: not counted
+    with torch.no_grad():
+        gpt.output_layer.weight[0, 0] -= 1.0
+    opt.ok = True
+    opt.step()
+    assert fp.version == 1 and fp.fingerprint != first
+    fp.detach()
+    assert "step" not in vars(opt)
+    with torch.no_grad():
+        gpt.output_layer.weight[0, 0] -= 1.0
+
+
 def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every rank's x along dim 0, in rank order."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]

@@ -106,17 +106,6 @@ def untied():
     return _build(False, 99)
 
 
-def _rows(x_bs, mask_bs):
-    """[b, s] -> the op's row order (sequence-major, as [s, b] flattened), masked-in rows only."""
-    flat = x_bs.t().reshape(-1)
-    return flat if mask_bs is None else flat[mask_bs.t().reshape(-1) != 0]
-
-
-def _hidden_rows(h_sbd, mask_bs):
-    flat = h_sbd.reshape(-1, h_sbd.shape[-1])
-    return flat if mask_bs is None else flat[mask_bs.t().reshape(-1) != 0]
-
-
 def _check_provenance(prov):
     assert prov.backend == BACKEND and prov.contract_bearing and prov.fallback is None, prov
     assert prov.contract_version == fused_logp.CONTRACT_VERSION
@@ -214,14 +203,14 @@ def test_logp_lse_bytes_equal_the_op(which, request):
     assert isinstance(out, mp.LogpOutput) and out.logp.shape == (B, S) and out.lse.dtype == torch.float32
     assert out.logp.device.type == DEV
     _check_provenance(out.provenance)
-    h, t = _hidden_rows(cap.value, loss_mask), _rows(labels, loss_mask)
+    h, t = ms.op_hidden_rows(cap.value, loss_mask), ms.op_rows(labels, loss_mask)
     assert h.dtype == torch.bfloat16 and h.shape == (int(loss_mask.sum()), D)
     w = ms.lm_head_weight(gpt).detach()
     assert w.shape == (PADDED, D) and w.dtype == torch.bfloat16
     ref = fused_logp.linear_logp(h, w[:REAL], t, temperature=T, backend=BACKEND)       # the real rows only
     _check_provenance(ref.provenance)
-    assert bits_equal(_rows(out.logp, loss_mask), ref.logp)
-    assert bits_equal(_rows(out.lse, loss_mask), ref.lse)
+    assert bits_equal(ms.op_rows(out.logp, loss_mask), ref.logp)
+    assert bits_equal(ms.op_rows(out.lse, loss_mask), ref.lse)
     padded = fused_logp.linear_logp(h, w, t, temperature=T, vocab_size=REAL, backend=BACKEND)
     assert bits_equal(padded.logp, ref.logp) and bits_equal(padded.lse, ref.lse)
     assert bool(torch.isfinite(ref.lse).all()) and bool((ref.logp <= 0).all())
@@ -244,8 +233,8 @@ def test_per_token_temperature(tied):
     finally:
         cap.remove()
     ref = fused_logp.linear_logp(cap.value.reshape(-1, D), ms.lm_head_weight(gpt).detach()[:REAL],
-                                 _rows(labels, None), temperature=_rows(temps, None), backend=BACKEND)
-    assert bits_equal(_rows(out.logp, None), ref.logp) and bits_equal(_rows(out.lse, None), ref.lse)
+                                 ms.op_rows(labels, None), temperature=ms.op_rows(temps, None), backend=BACKEND)
+    assert bits_equal(ms.op_rows(out.logp, None), ref.logp) and bits_equal(ms.op_rows(out.lse, None), ref.lse)
 
 
 def test_padded_rows_never_enter_lse(untied):
@@ -445,29 +434,7 @@ def test_fingerprint_with_megatron_style_step(untied):
     """An optimizer whose step() returns Megatron's (update_successful, grad_norm, num_zeros)."""
     _, gpt = untied
     mp.configure("contract", vocab_size=REAL)
-
-    class Opt:
-        ok = True
-
-        def step(self):
-            with torch.no_grad():
-                gpt.output_layer.weight[0, 0] += 1.0
-            return self.ok, 0.0, 0
-
-    opt = Opt()
-    fp = mp.track_lm_head(gpt, opt)
-    first = fp.fingerprint
-    opt.ok = False
-    assert opt.step()[0] is False and fp.version == 0 and fp.fingerprint == first   # skipped step: not counted
-    with torch.no_grad():
-        gpt.output_layer.weight[0, 0] -= 1.0
-    opt.ok = True
-    opt.step()
-    assert fp.version == 1 and fp.fingerprint != first
-    fp.detach()
-    assert "step" not in vars(opt)
-    with torch.no_grad():
-        gpt.output_layer.weight[0, 0] -= 1.0
+    ms.check_megatron_style_step(gpt)
 
 
 if __name__ == "__main__" and "--reject-child" in sys.argv:

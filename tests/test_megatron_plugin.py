@@ -55,22 +55,6 @@ def untied():
     return ms.build_tiny_gpt(vocab_size=PADDED, tied=False, seed=99)
 
 
-def _lm_head(gpt):
-    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
-        else gpt.output_layer.weight
-
-
-def _rows(x_bs, mask_bs):
-    """[b, s] -> the op's row order (sequence-major, as [s, b] flattened), masked-in rows only."""
-    flat = x_bs.t().reshape(-1)
-    return flat if mask_bs is None else flat[mask_bs.t().reshape(-1) != 0]
-
-
-def _hidden_rows(h_sbd, mask_bs):
-    flat = h_sbd.reshape(-1, h_sbd.shape[-1])
-    return flat if mask_bs is None else flat[mask_bs.t().reshape(-1) != 0]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # arguments
 # ---------------------------------------------------------------------------------------------------------
@@ -226,10 +210,10 @@ def test_logp_lse_bytes_equal_the_op(which, request):
         cap.remove()
     assert isinstance(out, mp.LogpOutput) and out.logp.shape == (B, S) and out.lse.dtype == torch.float32
     assert out.provenance.contract_bearing
-    ref = fused_logp.linear_logp(_hidden_rows(cap.value, loss_mask), _lm_head(gpt).detach(), _rows(labels, loss_mask),
+    ref = fused_logp.linear_logp(ms.op_hidden_rows(cap.value, loss_mask), ms.lm_head_weight(gpt).detach(), ms.op_rows(labels, loss_mask),
                                  temperature=0.7, vocab_size=REAL)
-    assert torch.equal(_rows(out.logp, loss_mask), ref.logp)
-    assert torch.equal(_rows(out.lse, loss_mask), ref.lse)
+    assert torch.equal(ms.op_rows(out.logp, loss_mask), ref.logp)
+    assert torch.equal(ms.op_rows(out.lse, loss_mask), ref.lse)
     assert bool((out.logp[loss_mask == 0] == 0).all()) and bool((out.lse[loss_mask == 0] == 0).all())
     loss, n, report = mp.logp_loss_func(loss_mask, out)
     assert int(n) == int(loss_mask.sum()) and torch.equal(loss, -(out.logp * loss_mask).sum())
@@ -275,9 +259,9 @@ def test_per_token_temperature(tied):
             out = wrapped(ids, pos, mask, labels=labels)
     finally:
         cap.remove()
-    ref = fused_logp.linear_logp(cap.value.reshape(-1, D), _lm_head(gpt).detach(), _rows(labels, None),
-                                 temperature=_rows(temps, None), vocab_size=REAL)
-    assert torch.equal(_rows(out.logp, None), ref.logp) and torch.equal(_rows(out.lse, None), ref.lse)
+    ref = fused_logp.linear_logp(cap.value.reshape(-1, D), ms.lm_head_weight(gpt).detach(), ms.op_rows(labels, None),
+                                 temperature=ms.op_rows(temps, None), vocab_size=REAL)
+    assert torch.equal(ms.op_rows(out.logp, None), ref.logp) and torch.equal(ms.op_rows(out.lse, None), ref.lse)
 
 
 def test_output_processor_keyword_contract(untied):
@@ -291,9 +275,9 @@ def test_output_processor_keyword_contract(untied):
         input_ids=None, position_ids=None, attention_mask=None, decoder_input=None, inference_context=None,
         packed_seq_params=None, runtime_gather_output=None, context={"temperature": 0.9, "vocab_size": REAL},
         compute_language_model_loss=gpt.compute_language_model_loss, scale_logits=lambda x: x, config=gpt.config)
-    ref = fused_logp.linear_logp(h.reshape(-1, D), gpt.output_layer.weight.detach(), _rows(labels, None),
+    ref = fused_logp.linear_logp(h.reshape(-1, D), gpt.output_layer.weight.detach(), ms.op_rows(labels, None),
                                  temperature=0.9, vocab_size=REAL)
-    assert torch.equal(_rows(out.logp, None), ref.logp) and torch.equal(_rows(out.lse, None), ref.lse)
+    assert torch.equal(ms.op_rows(out.logp, None), ref.logp) and torch.equal(ms.op_rows(out.lse, None), ref.lse)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -426,17 +410,17 @@ def test_fingerprint_after_optimizer_step():
     fp = mp.track_lm_head(wrapped, opt)
     first = fp.fingerprint
     assert fp.version == 0
-    assert first == fused_logp.weight_fingerprint(_lm_head(gpt).detach(), vocab_size=REAL)
+    assert first == fused_logp.weight_fingerprint(ms.lm_head_weight(gpt).detach(), vocab_size=REAL)
     assert fp.check_rollout(first, rollout_weight_version=0)
 
     ids, pos, mask, labels = ms.batch(B, S, REAL)
     out = wrapped(ids, pos, mask, labels=labels)
     loss, _, _ = mp.logp_loss_func(None, out)
     loss.backward()
-    assert _lm_head(gpt).grad is not None and gpt.decoder.layers[0].mlp.linear_fc1.weight.grad is not None
+    assert ms.lm_head_weight(gpt).grad is not None and gpt.decoder.layers[0].mlp.linear_fc1.weight.grad is not None
     opt.step()
     assert fp.version == 1 and fp.fingerprint != first
-    assert fp.fingerprint == fused_logp.weight_fingerprint(_lm_head(gpt).detach(), vocab_size=REAL)
+    assert fp.fingerprint == fused_logp.weight_fingerprint(ms.lm_head_weight(gpt).detach(), vocab_size=REAL)
     assert fp.check_rollout(fp.fingerprint)
     assert not fp.check_rollout(fp.fingerprint, rollout_weight_version=0)
     assert not fp.check_rollout(first, strict=False)
@@ -452,26 +436,4 @@ def test_fingerprint_with_megatron_style_step(untied):
     """An optimizer whose step() returns Megatron's (update_successful, grad_norm, num_zeros)."""
     _, gpt = untied
     mp.configure("contract", vocab_size=REAL)
-
-    class Opt:
-        ok = True
-
-        def step(self):
-            with torch.no_grad():
-                gpt.output_layer.weight[0, 0] += 1.0
-            return self.ok, 0.0, 0
-
-    opt = Opt()
-    fp = mp.track_lm_head(gpt, opt)
-    first = fp.fingerprint
-    opt.ok = False
-    assert opt.step()[0] is False and fp.version == 0 and fp.fingerprint == first   # skipped step: not counted
-    with torch.no_grad():
-        gpt.output_layer.weight[0, 0] -= 1.0
-    opt.ok = True
-    opt.step()
-    assert fp.version == 1 and fp.fingerprint != first
-    fp.detach()
-    assert "step" not in vars(opt)
-    with torch.no_grad():
-        gpt.output_layer.weight[0, 0] -= 1.0
+    ms.check_megatron_style_step(gpt)

@@ -19,13 +19,6 @@ import megatron_shims as ms  # noqa: E402
 PADDED, REAL, B, S, D, T = 512, 500, 2, 8, 64, 0.7
 
 
-def _gather_rows(x, group):
-    import torch.distributed as dist
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
-
-
 def _reference(h2, w_full, targets, mask_rows, c_lse):
     """float64 gradients of -(sum logp) + c_lse * sum(lse) over masked-in rows."""
     h64 = h2.detach().double().requires_grad_()
@@ -65,7 +58,7 @@ def _tp_checks(rank, res):
     keep = loss_mask.t().reshape(-1) != 0
     h2 = cap.value.detach().reshape(-1, D)
     targets = labels.t().reshape(-1)
-    w_full = _gather_rows(gpt.shared_embedding_or_output_weight().detach(), tp_group)
+    w_full = ms.gather_rows(gpt.shared_embedding_or_output_weight().detach(), tp_group)
     ref = fused_logp.linear_logp(h2[keep], w_full, targets[keep], temperature=T, vocab_size=REAL)
     res["tp2_logp_equal"] = torch.equal(out.logp.t().reshape(-1)[keep], ref.logp)
     res["tp2_lse_equal"] = torch.equal(out.lse.t().reshape(-1)[keep], ref.lse)
@@ -80,7 +73,7 @@ def _tp_checks(rank, res):
     cap.remove()
     (-(out.logp * loss_mask).sum() + 0.3 * (out.lse * loss_mask).sum()).backward()
     w_shard = gpt.output_layer.weight
-    w_full = _gather_rows(w_shard.detach(), tp_group)
+    w_full = ms.gather_rows(w_shard.detach(), tp_group)
     gh, gw = _reference(cap.value.detach().reshape(-1, D), w_full, targets, keep, 0.3)
     v0 = rank * w_shard.shape[0]
     res["tp2_hidden_grad_close"] = _close(cap.value.grad.reshape(-1, D), gh)
@@ -101,7 +94,7 @@ def _tp_checks(rank, res):
     h_local = h_full[rank * S // 2:(rank + 1) * S // 2].clone().requires_grad_()
     out = mp.logp_output_processor(hidden_states=h_local, output_layer=head, labels=lab, config=cfg)
     (-(out.logp).sum() + 0.3 * out.lse.sum()).backward()
-    w_full = _gather_rows(head.weight.detach(), tp_group)
+    w_full = ms.gather_rows(head.weight.detach(), tp_group)
     ref = fused_logp.linear_logp(h_full.reshape(-1, D), w_full, lab.t().reshape(-1), temperature=T, vocab_size=REAL)
     res["sp_logp_equal"] = torch.equal(out.logp.t().reshape(-1), ref.logp)
     res["sp_lse_equal"] = torch.equal(out.lse.t().reshape(-1), ref.lse)

@@ -9,7 +9,7 @@ from fused_logp.kernel.op import linear_logp_program
 from fused_logp.kernel.transforms import TransformProgram, kept_mask, program_logp_from_logits
 from fused_logp.shared_contract.errors import ContractInputError
 
-from helpers import bits_equal
+from helpers import bits_equal, same_bytes
 
 V, D = 700, 32
 PROGRAMS = [
@@ -133,17 +133,6 @@ from fused_logp.kernel.transcendentals import (contract_exp, contract_exp_torch,
                                                 contract_log_torch)
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Byte equality; NaN matches NaN whatever its payload (the contract does not fix NaN payloads, and CUDA
-    does not keep them); bool tensors must be equal."""
-    a, b = a.detach().contiguous().cpu(), b.detach().contiguous().cpu()
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == torch.bool:
-        return torch.equal(a, b)
-    na, nb = torch.isnan(a), torch.isnan(b)
-    return torch.equal(na, nb) and torch.equal(torch.where(na, 0, a.view(torch.int32)),
-                                               torch.where(nb, 0, b.view(torch.int32)))
 
 
 def test_torch_exp_log_bits_equal_numpy(gen):

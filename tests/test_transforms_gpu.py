@@ -11,21 +11,13 @@ from fused_logp.kernel.op import linear_logp_program
 from fused_logp.kernel.transcendentals import contract_exp, contract_exp_torch, contract_log, contract_log_torch
 from fused_logp.kernel.transforms import TransformProgram, kept_mask, program_logp_from_logits
 
+from helpers import same_bytes
+
 pytestmark = pytest.mark.gpu
 
 D, V, ROWS = 4096, 151936, 128
 
 
-def same_bytes(a, b):
-    """Byte equality; NaN matches NaN whatever its payload (CUDA does not keep NaN payloads); bools equal."""
-    a, b = a.detach().contiguous().cpu(), b.detach().contiguous().cpu()
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == torch.bool:
-        return torch.equal(a, b)
-    na, nb = torch.isnan(a), torch.isnan(b)
-    return torch.equal(na, nb) and torch.equal(torch.where(na, 0, a.view(torch.int32)),
-                                               torch.where(nb, 0, b.view(torch.int32)))
 
 
 def _ext():
