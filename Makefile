@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels clean
+.PHONY: demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,9 +40,21 @@ $(GPU_PKG):
 test-gpu: $(GPU_PKG)
 	$(GPU_ENV) $(PYTHON) -P -m pytest -q -ra -p no:cacheprovider -m gpu $(GPU_TESTS)
 
+# The two linear_logp benchmarks measure Liger-Kernel and Apple's Cut Cross-Entropy in the same run when their wheels
+# (`make peer-wheels`, below) are in build/wheels: they are installed into build/peer-site, which is on PYTHONPATH for
+# those two commands only. Without the wheels the benchmarks still run and report the peers as not measured.
 bench-gpu: $(GPU_PKG)
-	$(GPU_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
-	$(GPU_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py
+	rm -rf $(PEER_SITE)
+	@whl=$$(ls build/wheels/liger_kernel-*.whl build/wheels/cut_cross_entropy-*.whl 2>/dev/null); \
+	if [ -z "$$whl" ]; then echo "bench-gpu: no Liger/CCE wheels in build/wheels (make peer-wheels): peers not measured"; \
+	else \
+		$(PYTHON) -c 'import packaging' 2>/dev/null || whl="$$whl $$(ls build/wheels/packaging-*.whl 2>/dev/null)"; \
+		echo "bench-gpu: installing into $(PEER_SITE):" $$whl; \
+		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(PEER_SITE) $$whl \
+			|| echo "bench-gpu: installing the peer wheels failed: peers not measured"; \
+	fi
+	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
+	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py
 	$(GPU_ENV) $(PYTHON) -P bench/tp_validation.py
 	$(GPU_ENV) $(PYTHON) -P bench/benchmark_transforms.py
 	$(GPU_ENV) $(PYTHON) -P -m fused_logp.cli ladder --out $${OUT:-out}/ladder
@@ -59,6 +71,19 @@ megatron-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 		-d build/wheels '$(MEGATRON_CORE)'
+	ls -l build/wheels
+
+# Liger-Kernel and Apple's Cut Cross-Entropy for `make bench-gpu` on the SM90 machine (no package index): `make
+# peer-wheels` here puts their pure-Python py3-none-any wheels in build/wheels, carried there with it. Their requirements
+# are torch and triton (on the GPU machine: torch 2.11, triton 3.6) and, for Liger, packaging (also there; its wheel is
+# downloaded too and installed only where `import packaging` fails). CCE's default impl also runs torch.compile (inductor).
+PEER_WHEELS := liger-kernel==0.8.5 cut-cross-entropy==25.1.1 packaging==25.0
+PEER_SITE := build/peer-site
+PEER_ENV := PYTHONPATH=$(CURDIR)/$(GPU_PKG):$(CURDIR)/tests:$(CURDIR)/$(PEER_SITE) PYTHONUNBUFFERED=1
+
+peer-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		-d build/wheels $(foreach w,$(PEER_WHEELS),'$(w)')
 	ls -l build/wheels
 
 test-megatron-gpu: $(GPU_PKG)

@@ -6,13 +6,17 @@ Columns: cuBLAS bf16 GEMM alone (bf16 out, and FP32 out), cuBLAS FP32-out GEMM +
 ours with return_logits off and on (SM90Backend called directly, no op-layer checks). Median of
 triton.testing.do_bench (CUDA events) after warm-up, two rotating hidden-state sets (the 1.24 GB weight is
 far larger than the L2). Peak extra memory = max_memory_allocated during one call minus the inputs.
-Liger and Apple CCE are reported as not installed when their packages are absent: nothing is substituted.
+Liger and Apple CCE (forward only, under torch.no_grad, reduction="none": the per-token loss, i.e. -logp) are
+measured the same way when their packages import (`make peer-wheels`, then `make bench-gpu`); when absent or when
+they fail, the reason is recorded in the JSON as a string and nothing is substituted.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -36,6 +40,63 @@ def _peak_extra(fn):
     peak = torch.cuda.max_memory_allocated() - base
     del out
     return peak
+
+
+def _err(e):
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+def _dist_version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        return _err(e)
+
+
+def _liger_fwd():
+    """Liger's fused linear cross-entropy forward (its Module takes (lin_weight, _input, target)), per-token loss."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    mod = LigerFusedLinearCrossEntropyLoss(reduction="none")
+    info = {"version": _dist_version("liger-kernel"), "file": inspect.getfile(LigerFusedLinearCrossEntropyLoss),
+            "call": 'with torch.no_grad(): LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, t)'}
+
+    def fwd(h, w, t):
+        with torch.no_grad():
+            return mod(w, h, t)
+    return fwd, info
+
+
+def _cce_fwd():
+    """Apple CCE's linear_cross_entropy forward with its default impl, per-token loss (filter_eps acts on backward)."""
+    import cut_cross_entropy
+    from cut_cross_entropy import linear_cross_entropy
+
+    params = inspect.signature(linear_cross_entropy).parameters
+    impl, eps = params["impl"].default, params["filter_eps"].default
+    info = {"version": getattr(cut_cross_entropy, "__version__", None) or _dist_version("cut-cross-entropy"),
+            "file": inspect.getfile(linear_cross_entropy),
+            "call": 'with torch.no_grad(): linear_cross_entropy(h, w, t, reduction="none")',
+            "impl": str(getattr(impl, "name", impl)).lower(), "filter_eps": eps}
+
+    def fwd(h, w, t):
+        with torch.no_grad():
+            return linear_cross_entropy(h, w, t, reduction="none")
+    return fwd, info
+
+
+def _load_peers():
+    """name -> (forward(h, w, t) or None, info); an ImportError or any other failure is kept as a string."""
+    peers = {}
+    for name, load in (("liger", _liger_fwd), ("cce", _cce_fwd)):
+        try:
+            fn, info = load()
+            peers[name] = (fn, dict(status="loaded", **info))
+        except ImportError as e:
+            peers[name] = (None, {"status": f"not installed: not measured ({_err(e)})"})
+        except Exception as e:  # noqa: BLE001
+            peers[name] = (None, {"status": f"failed to load: not measured ({_err(e)})"})
+    return peers
 
 
 def smoke():
@@ -94,6 +155,7 @@ def main():
     dev = torch.device("cuda")
     peers_missing = {name: importlib.util.find_spec(mod) is None
                      for name, mod in (("liger", "liger_kernel"), ("cce", "cut_cross_entropy"))}
+    peers = _load_peers()
     g = torch.Generator(device=dev).manual_seed(1234)
     d = args.d
     rows = []
@@ -149,6 +211,29 @@ def main():
                 row[name + "_tflops"] = flops / ms / 1e9
                 row[name + "_peak_extra_mib"] = mem / 2**20
                 torch.cuda.empty_cache()
+            for name, (pfn, pinfo) in peers.items():
+                row[name + "_error"] = None if pfn is not None else pinfo["status"]
+                row[name + "_ms"] = row[name + "_tflops"] = row[name + "_peak_extra_mib"] = None
+                if pfn is None:
+                    continue
+
+                def peer(pfn=pfn):
+                    return pfn(nxt(), w, tg)
+                try:
+                    h0 = nxt()
+                    ref = be.linear_logp(h0, w, tg, bias=None, temperature=temp, return_logits=False, vocab_size=v)[0]
+                    got = pfn(h0, w, tg)
+                    diff = got.float().reshape(-1) + ref.float().reshape(-1)  # their -logp against our logp
+                    row[name + "_max_abs_diff_vs_ours"] = float(diff.abs().max())
+                    del ref, got, diff
+                    ms = _do_bench(peer, rep)
+                    mem = _peak_extra(peer)
+                    row[name + "_ms"] = ms
+                    row[name + "_tflops"] = flops / ms / 1e9
+                    row[name + "_peak_extra_mib"] = mem / 2**20
+                except Exception as e:  # noqa: BLE001 - the peer's failure is recorded, the run goes on
+                    row[name + "_error"] = _err(e)
+                torch.cuda.empty_cache()
             row["ratio_ours_vs_gemm"] = row["ours_ms"] / row["gemm_bf16_ms"]
             row["ratio_ours_logits_vs_gemm"] = row["ours_logits_ms"] / row["gemm_bf16_ms"]
             row["ratio_ours_vs_logsoftmax"] = row["ours_ms"] / row["cublas_logsoftmax_ms"]
@@ -169,6 +254,7 @@ def main():
         "backend": be.describe(),
         "timing": "triton.testing.do_bench median (CUDA events), 2 rotating hidden sets, temperature 1, no bias",
         "peers_not_installed": [k for k, missing in peers_missing.items() if missing],
+        "peers": {name: pinfo for name, (_, pinfo) in peers.items()},
         "rows": rows,
     }
     hdr = (f"{'V':>7} {'N':>6} | {'GEMM bf16':>9} {'GEMM f32':>9} {'cuBLAS+LS':>9} | {'ours':>8} {'x GEMM':>6} "
@@ -184,6 +270,19 @@ def main():
               f"{r['ours_peak_extra_mib']:>7.1f}Mi {r['cublas_logsoftmax_peak_extra_mib']:>7.1f}Mi")
     for k in info["peers_not_installed"]:
         print(f"{k}: not installed on this machine; not measured (DESIGN-NOTES section 3 has earlier figures)")
+    if any(pfn is not None for pfn, _ in peers.values()):
+        def cell(x, width):
+            return f"{x:>{width}.3f}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
+        print()
+        print("peers, forward only (no_grad, per-token loss); median ms and peak extra MiB")
+        print(f"{'V':>7} {'N':>6} | {'ours':>8} {'Liger':>8} {'CCE':>8} | {'mem Liger':>9} {'mem CCE':>9}")
+        for r in rows:
+            print(f"{r['V']:>7} {r['N']:>6} | {r['ours_ms']:>8.3f} {cell(r['liger_ms'], 8)} {cell(r['cce_ms'], 8)} | "
+                  f"{cell(r['liger_peak_extra_mib'], 9)} {cell(r['cce_peak_extra_mib'], 9)}")
+        for name in peers:
+            for r in rows:
+                if r[name + "_error"] is not None:
+                    print(f"{name} V={r['V']} N={r['N']}: {r[name + '_error']}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench-{args.tag}-{info['date']}.json")
     with open(path, "w") as f:

@@ -1,10 +1,13 @@
 """Forward + backward of linear_logp (grads for hidden and weight) at D=4096, V=151936 against cuBLAS +
-log_softmax, measured in the same run. Liger and CCE are reported as absent when they are not installed.
-Prints one table and writes JSON (GPU, date, versions) to --out."""
+log_softmax, Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy (both reduction="sum"), measured
+in the same run. A peer that is not installed (`make peer-wheels`, then `make bench-gpu`) or that fails is recorded
+in the JSON as a string, not measured. Prints one table and writes JSON (GPU, date, versions) to --out."""
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
+import inspect
 import json
 import os
 import time
@@ -35,6 +38,27 @@ def _bench(fn, reps=10, warm=3):
     return times[len(times) // 2]
 
 
+def _bench_pipelined(fn, calls=4, samples=7, warm=2):
+    """Median over samples of (time of `calls` back-to-back calls) / calls: the host enqueues the next call while
+    the GPU runs the previous one, as in a training loop, so launch and Python overhead is hidden where the GPU is
+    the bottleneck. _bench (one synchronised call per sample) counts that overhead."""
+    _spin()
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _spin(seconds=0.5):
     """Keep the GPU busy for a moment first, so that every measurement starts at the same clocks."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -55,18 +79,220 @@ def _peak(fn, base):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
+NOT_INSTALLED = "not installed: not measured"
+
+
+def _err(e):
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+def _dist_version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except Exception as e:  # noqa: BLE001 - a version we cannot read is recorded, not fatal
+        return _err(e)
+
+
+def _liger():
+    """Liger-Kernel's fused linear cross-entropy, reduction="sum"; its Module takes (lin_weight, _input, target)."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    mod = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    info = {"version": _dist_version("liger-kernel"), "file": inspect.getfile(LigerFusedLinearCrossEntropyLoss),
+            "call": 'LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, t).backward()',
+            "accum_dtype": repr(mod.accum_dtype)}
+    return (lambda h, w, t: mod(w, h, t)), info
+
+
+def _cce():
+    """Apple's Cut Cross-Entropy with reduction="sum" and its default impl and filter_eps (recorded)."""
+    import cut_cross_entropy
+    from cut_cross_entropy import linear_cross_entropy
+
+    params = inspect.signature(linear_cross_entropy).parameters
+    impl, eps = params["impl"].default, params["filter_eps"].default
+    info = {"version": getattr(cut_cross_entropy, "__version__", None) or _dist_version("cut-cross-entropy"),
+            "file": inspect.getfile(linear_cross_entropy),
+            "call": 'linear_cross_entropy(h, w, t, reduction="sum").backward()',
+            "impl": str(getattr(impl, "name", impl)).lower(), "filter_eps": eps}
+    try:
+        from cut_cross_entropy.utils import _handle_eps
+
+        info["filter_eps_bf16"] = _handle_eps(eps, torch.bfloat16)
+    except Exception as e:  # noqa: BLE001
+        info["filter_eps_bf16"] = _err(e)
+    return (lambda h, w, t: linear_cross_entropy(h, w, t, reduction="sum")), info
+
+
+def _load_peers():
+    """name -> (loss(h, w, t) or None, info); an ImportError or any other failure is kept as a string."""
+    peers = {}
+    for name, load in (("liger", _liger), ("cce", _cce)):
+        try:
+            fn, info = load()
+            peers[name] = (fn, dict(status="loaded", **info))
+        except ImportError as e:
+            peers[name] = (None, {"status": f"{NOT_INSTALLED} ({_err(e)})"})
+        except Exception as e:  # noqa: BLE001
+            peers[name] = (None, {"status": f"failed to load: not measured ({_err(e)})"})
+    return peers
+
+
+def _rel_l2(a, b, rows=8192):
+    """||a - b|| / ||b|| in FP64 sums over row blocks (no full-size FP32 copies of the weight gradient)."""
+    num = den = 0.0
+    for i in range(0, a.shape[0], rows):
+        x, y = a[i:i + rows].float(), b[i:i + rows].float()
+        num += float((x - y).double().pow(2).sum())
+        den += float(y.double().pow(2).sum())
+    return (num / den) ** 0.5 if den else float("nan")
+
+
+def _same_bytes(a, b):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _peer_checks(loss_fn, h, w, t, ref):
+    """Once: loss and gradients against ours (the gradient of -sum(logp)), and whether a second forward+backward
+    gives the same bytes."""
+    out = {}
+    runs = []
+    for _ in range(2):
+        h.grad = w.grad = None
+        loss = loss_fn(h, w, t)
+        loss.backward()
+        torch.cuda.synchronize()
+        runs.append((loss.detach().clone(), h.grad, w.grad))
+    h.grad = w.grad = None
+    (l1, gh1, gw1), (l2, gh2, gw2) = runs
+    out["loss"] = float(l1)
+    out["loss_rel_diff"] = abs(float(l1.double()) - ref["loss"]) / abs(ref["loss"])
+    out["hgrad_rel_l2"] = _rel_l2(gh1, ref["h_grad"])
+    out["wgrad_rel_l2"] = _rel_l2(gw1, ref["w_grad"]) if gw1 is not None else "no weight gradient"
+    out["loss_repeat_identical"] = _same_bytes(l1, l2)
+    out["hgrad_repeat_identical"] = _same_bytes(gh1, gh2)
+    out["wgrad_repeat_identical"] = _same_bytes(gw1, gw2) if gw1 is not None and gw2 is not None else None
+    out["grad_dtypes"] = [str(gh1.dtype), str(gw1.dtype) if gw1 is not None else None]
+    return out
+
+
+def _measure_peer(name, loss_fn, h, w, t, grads, ref):
+    """<name>_ms and <name>_extra_MiB as for ours (same _bench and _peak, same floor; the base is taken here, after a
+    first call and with the gradients dropped, as main takes ours, so that the reference gradients held in `ref` are
+    not counted), then the checks; any failure is recorded as a string and the row goes on."""
+    r = {f"{name}_ms": None, f"{name}_extra_MiB": None, f"{name}_error": None}
+
+    def peer():
+        h.grad = w.grad = None
+        loss_fn(h, w, t).backward()
+
+    try:
+        peer()  # first call: compiles the Triton kernels (and CCE's torch.compile) outside the timing
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        r[f"{name}_ms"] = _bench(peer)
+        r[f"{name}_pipelined_ms"] = _bench_pipelined(peer)
+        r[f"{name}_extra_MiB"] = _peak(peer, base) - grads
+    except Exception as e:  # noqa: BLE001
+        r[f"{name}_error"] = _err(e)
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if r[f"{name}_error"] is None:
+        try:
+            for k, v in _peer_checks(loss_fn, h, w, t, ref).items():
+                r[f"{name}_{k}"] = v
+        except Exception as e:  # noqa: BLE001
+            r[f"{name}_check_error"] = _err(e)
+        h.grad = w.grad = None
+        torch.cuda.empty_cache()
+    return r
+
+
+def _ms(x, width):
+    return f"{x:{width}.2f}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
+
+
+def _parts(h, w, t):
+    """The backward's passes over the whole vocabulary, each timed alone: the recompute GEMM with the dz
+    epilogue (all chunks), the dh GEMMs (all chunks and slices) and the dW GEMMs, next to one cuBLAS GEMM with
+    FP32 output (the recompute's former first step)."""
+    from fused_logp.kernel import sm90
+    ext = sm90.extension(h.device)
+    if ext is None:
+        return {"parts": "sm90 extension unavailable"}
+    n = h.shape[0]
+    c, sl = autograd._CUDA_CHUNK, autograd._CUDA_SLICE
+    n_pad = -(-n // sl) * sl
+    one = torch.ones(n, device="cuda")
+    lse = linear_logp(h, w, t).lse
+    dz = torch.zeros(n_pad, c, dtype=torch.bfloat16, device="cuda")
+    dh = torch.zeros(n_pad, D, device="cuda")
+    dw = torch.empty_like(w)
+    z = torch.empty(n, c, device="cuda")
+
+    def dz_pass():
+        for c0 in range(0, V, c):
+            cc = min(c, V - c0)
+            ext.backward_dz(h, w[c0:c0 + cc], None, one, lse, one, one, t, c0, cc, dz[:n, :cc])
+
+    def dh_pass():
+        for c0 in range(0, V, c):
+            cc = min(c, V - c0)
+            for s0 in range(0, n_pad, sl):
+                torch.addmm(dh[s0:s0 + sl], dz[s0:s0 + sl, :cc], w[c0:c0 + cc], out_dtype=torch.float32,
+                            out=dh[s0:s0 + sl])
+
+    def dw_pass():
+        for c0 in range(0, V, c):
+            cc = min(c, V - c0)
+            torch.mm(dz[:n, :cc].T, h, out=dw[c0:c0 + cc])
+
+    def z_fp32_pass():
+        for c0 in range(0, V, c):
+            cc = min(c, V - c0)
+            torch.mm(h, w[c0:c0 + cc].T, out_dtype=torch.float32, out=z[:, :cc])
+
+    return {"dz_pass_ms": _bench(dz_pass), "dh_pass_ms": _bench(dh_pass), "dw_pass_ms": _bench(dw_pass),
+            "cublas_z_fp32_pass_ms": _bench(z_fp32_pass)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "backward.json"))
     p.add_argument("--n", type=int, nargs="*", default=[2048, 8192])
     p.add_argument("--chunk-bytes", type=int, default=None,
                    help="override the CUDA backward's chunk-buffer budget (bytes) to compare chunk sizes")
-    p.add_argument("--chunk-max", type=int, default=None, help="override the largest CUDA backward chunk")
+    p.add_argument("--chunk", type=int, default=None, help="override the CUDA backward's chunk width (columns)")
+    p.add_argument("--slice", type=int, default=None, help="override the CUDA backward's dh slice height (rows)")
+    p.add_argument("--smoke", action="store_true",
+                   help="one small backward (bias, temperature, odd vocabulary, a padded slice) and exit, for "
+                        "compute-sanitizer")
     args = p.parse_args()
+    if args.smoke:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        n, v, real, d = 300, 5120, 5001, 512
+        h = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(v, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
+        b = torch.randn(v, device="cuda", generator=g)
+        t = torch.randint(0, real, (n,), device="cuda", generator=g)
+        temp = 0.5 + torch.rand(n, device="cuda", generator=g)
+        lse = linear_logp(h, w[:real], t, bias=b[:real], temperature=temp).lse
+        gl = torch.randn(n, device="cuda", generator=g)
+        dh, dw, db = autograd.logp_grads(h, w, b, t, temp, lse, gl, gl, vocab_start=0, n_real=real, chunk=1000)
+        torch.cuda.synchronize()
+        print("smoke:", float(dh.float().norm()), float(dw.float().norm()), float(db.norm()))
+        return
     if args.chunk_bytes:
         autograd._CUDA_CHUNK_BYTES = args.chunk_bytes
-    if args.chunk_max:
-        autograd._CUDA_CHUNK_MAX = args.chunk_max
+    if args.chunk:
+        autograd._CUDA_CHUNK = args.chunk
+    if args.slice:
+        autograd._CUDA_SLICE = args.slice
+    peers = _load_peers()
     rows = []
     for n in args.n:
         h = torch.randn(n, D, device="cuda").bfloat16().requires_grad_()
@@ -98,27 +324,55 @@ def main():
              "ours_extra_MiB": _peak(ours, base) - grads, "cublas_log_softmax_extra_MiB": _peak(cublas_ls, base) - grads,
              "ours_backend": linear_logp(h.detach(), w.detach(), t).provenance.backend}
         r["ours_over_gemm"] = r["ours_ms"] / r["gemm_fwd_ms"]
+        r["gemm_fwd_pipelined_ms"] = _bench_pipelined(gemm)
+        r["ours_pipelined_ms"] = _bench_pipelined(ours)
+        r["cublas_log_softmax_pipelined_ms"] = _bench_pipelined(cublas_ls)
+        r["ours_pipelined_over_gemm"] = r["ours_pipelined_ms"] / r["gemm_fwd_pipelined_ms"]
         r["ours_fwd_only_ms"] = _bench(ours_fwd)
         r["four_gemm_floor_ms"] = 4 * r["gemm_fwd_ms"]
         r["target_ms"] = 4.4 * r["gemm_fwd_ms"]
         r["chunk"] = cuda_chunk(n)
+        r.update(_parts(h.detach(), w.detach(), t))
+        ref = None
+        if any(fn is not None for fn, _ in peers.values()):
+            # ours as the reference for the peers' checks: loss = -sum(logp), so its gradients are the ones a
+            # cross-entropy with reduction="sum" should give
+            h.grad = w.grad = None
+            ref_loss = -linear_logp(h, w, t).logp.double().sum()
+            ref_loss.backward()
+            ref = {"loss": float(ref_loss.detach()), "h_grad": h.grad, "w_grad": w.grad}
+            h.grad = w.grad = None
+        for name, (fn, info) in peers.items():
+            if fn is None:
+                r.update({f"{name}_ms": None, f"{name}_extra_MiB": None, f"{name}_error": info["status"]})
+            else:
+                r.update(_measure_peer(name, fn, h, w, t, grads, ref))
+        ref = None
         rows.append(r)
         del h, w, t
         torch.cuda.empty_cache()
-    peers = {}
-    for mod in ("liger_kernel", "cut_cross_entropy"):
-        try:
-            __import__(mod)
-            peers[mod] = "installed but not wired in this script"
-        except ImportError:
-            peers[mod] = "not installed on this machine: not measured"
-    print(f"{'N':>6} {'chunk':>6} {'ours fwd':>9} {'GEMM fwd':>9} {'ours f+b':>9} {'x GEMM':>7} {'cuBLAS+LS f+b':>14} {'ours/cuBLAS+LS':>15} {'ours extra MiB':>15} {'cuBLAS+LS extra MiB':>20}")
+    print(f"{'N':>6} {'chunk':>6} {'ours fwd':>9} {'GEMM fwd':>9} {'ours f+b':>9} {'x GEMM':>7} {'cuBLAS+LS f+b':>14} {'ours/cuBLAS+LS':>15} {'ours extra MiB':>15} {'cuBLAS+LS extra MiB':>20} {'Liger f+b':>10} {'CCE f+b':>9}")
     for r in rows:
         print(f"{r['N']:6d} {r['chunk']:6d} {r['ours_fwd_only_ms']:9.2f} {r['gemm_fwd_ms']:9.2f} {r['ours_ms']:9.2f} {r['ours_over_gemm']:7.2f} {r['cublas_log_softmax_ms']:14.2f} "
-              f"{r['ours_ms'] / r['cublas_log_softmax_ms']:15.2f} {r['ours_extra_MiB']:15.0f} {r['cublas_log_softmax_extra_MiB']:20.0f}")
+              f"{r['ours_ms'] / r['cublas_log_softmax_ms']:15.2f} {r['ours_extra_MiB']:15.0f} {r['cublas_log_softmax_extra_MiB']:20.0f} "
+              f"{_ms(r['liger_ms'], 10)} {_ms(r['cce_ms'], 9)}")
+        print("       back-to-back (ms):", {k: (round(r[k], 2) if isinstance(r.get(k), float) else None) for k in (
+            "gemm_fwd_pipelined_ms", "ours_pipelined_ms", "ours_pipelined_over_gemm", "cublas_log_softmax_pipelined_ms",
+            "liger_pipelined_ms", "cce_pipelined_ms")})
+        print("       backward passes (ms):", {k: round(r[k], 2) for k in ("dz_pass_ms", "dh_pass_ms", "dw_pass_ms",
+                                                                       "cublas_z_fp32_pass_ms") if k in r})
+    for name in peers:
+        for r in rows:
+            if r[f"{name}_error"] is not None:
+                print(f"{name} N={r['N']}: {r[f'{name}_error']}")
+            else:
+                checks = {k[len(name) + 1:]: r[k] for k in r if k.startswith(name + "_") and k not in
+                          (f"{name}_ms", f"{name}_error")}
+                print(f"{name} N={r['N']}: {checks}")
+    peers = {name: info for name, (_, info) in peers.items()}
     print("peers:", peers)
     out = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "chunk_bytes": autograd._CUDA_CHUNK_BYTES, "chunk_max": autograd._CUDA_CHUNK_MAX, "D": D, "V": V, "rows": rows, "peers": peers}
+           "cuda": torch.version.cuda, "chunk_bytes": autograd._CUDA_CHUNK_BYTES, "chunk": autograd._CUDA_CHUNK, "slice": autograd._CUDA_SLICE, "D": D, "V": V, "rows": rows, "peers": peers}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
 

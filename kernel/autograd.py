@@ -9,17 +9,25 @@ Forward bytes come from the contract op; the backward recomputes logits chunk by
     dh     = sum_v dz_v W_v      dW_v = sum_n dz_v h      db_v = sum_n dz_v
 
 Gradient bytes are not part of the contract, but they are deterministic: chunks are visited in ascending
-vocabulary order, no atomics. On the CPU the arithmetic is FP32 and each row's hidden gradient is its own
-vector-matrix product, so it is independent of the batch it is in. On CUDA with bf16 inputs each chunk is three
-cuBLAS GEMMs with bf16 operands and FP32 accumulation around one elementwise kernel (kernel/csrc/sm90_backward.cu:
-FP32 logits in, bf16 dz out, the forward's scaling and exp): dz is rounded to bf16 once, as the GEMM operand; the
-hidden gradient accumulates across chunks in FP32 inside cuBLAS (beta = 1); the weight gradient is written in
-bf16 straight into its rows. Extra memory on that path: an [N, C] FP32 and an [N, C] bf16 buffer (C chosen so
-both fit in 320 MiB, see `cuda_chunk`) and the [N, D] FP32 hidden-gradient accumulator. cuBLAS picks its kernels
-by shape, so on CUDA a row's hidden gradient is not promised to be identical alone and inside a batch (it is on
-the CPU). Under tensor parallelism a shard's call returns the
-*partial* hidden gradient of its rows of W; the caller reduces it exactly once over the TP group (Megatron's
-`copy_to_tensor_model_parallel_region` on the output layer's input does exactly that).
+vocabulary order, no atomics. On the CPU the arithmetic is FP32 and each row's logits and hidden gradient are
+its own matrix-vector products, so they are independent of the batch it is in.
+
+On CUDA with bf16 inputs and the SM90 extension, each vocabulary chunk of C = 16896 columns is
+  1. one launch of the contract GEMM with the logit gradient as its epilogue (kernel/csrc/sm90_backward.cu): the
+     FP32 logits are the forward's own accumulators and are never written; dz is rounded once to bf16;
+  2. dh += dz W_c in fixed slices of 1024 rows (cuBLAS, FP32 accumulation into the FP32 dh, beta = 1);
+  3. dW_c = dz^T h (cuBLAS, bf16 out, written in place); db_c = column sums of dz in FP32.
+The chunk width and the slice shape do not depend on N (the last slice is padded with zero rows), so every
+cuBLAS call a row takes part in has the same shape alone and inside any batch, and dz depends on its own row
+only: a row's hidden gradient is the same alone and in a batch. Extra memory: the [rows, C] bf16 dz buffer
+(rows a multiple of 1024, at most _CUDA_CHUNK_BYTES: larger batches run in row groups, with the weight gradient
+of a chunk accumulated over the groups in FP32) and the [N, D] FP32 hidden-gradient accumulator.
+Without the extension the same loop computes z with cuBLAS (FP32 out) and dz with torch ops (logged once); the
+batch invariance of a row then rests on cuBLAS and is not promised.
+
+Under tensor parallelism a shard's call returns the *partial* hidden gradient of its rows of W; the caller
+reduces it exactly once over the TP group (Megatron's `copy_to_tensor_model_parallel_region` on the output
+layer's input does exactly that).
 """
 from __future__ import annotations
 
@@ -28,34 +36,43 @@ import logging
 import torch
 
 _CHUNK = 8192
-# CUDA bf16 path: the two per-chunk buffers ([N, C] FP32 logits and [N, C] bf16 dz, 6 bytes per element) are
-# sized to this many bytes at most, so the extra memory stays bounded for any N (the [N, D] FP32 hidden-gradient
-# accumulator comes on top).
+# CUDA bf16 path (see the module docstring): fixed chunk width and dh slice height, and the bound on the dz
+# buffer (plus the FP32 logits buffer when the extension is missing).
+# 16896 = 66 kernel tiles of 256 columns: on 132 SMs, any even number of 128-row tiles (N a multiple of 256) fills
+# whole waves of the recompute kernel.
+_CUDA_CHUNK = 16896
+_CUDA_SLICE = 1024
 _CUDA_CHUNK_BYTES = 320 * 2 ** 20
-_CUDA_CHUNK_MIN = 1024
-_CUDA_CHUNK_MAX = 32768
 
 _log = logging.getLogger("fused_logp.backward")
 _warned = False
 
 
 def cuda_chunk(n: int) -> int:
-    """Vocabulary columns per chunk on the CUDA bf16 path for N rows: a multiple of 256 in [1024, 32768], the
-    largest whose two buffers fit in _CUDA_CHUNK_BYTES (fewer chunks: fewer passes over the FP32 dh)."""
-    c = (_CUDA_CHUNK_BYTES // (6 * max(n, 1))) // 256 * 256
-    return max(_CUDA_CHUNK_MIN, min(_CUDA_CHUNK_MAX, c))
+    """Vocabulary columns per chunk on the CUDA bf16 path: fixed, whatever N is (a row's hidden gradient must
+    not depend on the batch)."""
+    return _CUDA_CHUNK
+
+
+def cuda_group(n: int, bytes_per_element: int = 2) -> int:
+    """Rows per group on the CUDA bf16 path: a multiple of the slice height whose [rows, chunk] buffers fit in
+    _CUDA_CHUNK_BYTES (at least one slice), or all N rows rounded up to a slice when they fit."""
+    s = _CUDA_SLICE
+    fit = max(s, (_CUDA_CHUNK_BYTES // (bytes_per_element * _CUDA_CHUNK)) // s * s)
+    return min(fit, -(-max(n, 1) // s) * s)
 
 
 def _dz_kernel(device):
-    """The SM90 extension's backward_dz where it is available on this device, else None (logged once)."""
+    """The SM90 extension (its backward_dz) where it is available on this device, else None (logged once)."""
     global _warned
     from . import sm90
     ext = sm90.extension(device)
     if ext is None and not _warned:
         with torch.cuda.device(device):
             why = sm90.SM90Backend().available()[1]
-        _log.warning("backward: the sm90 elementwise kernel is unavailable (%s); using torch elementwise ops "
-                     "(same formula, slower; gradient bytes are not contract-bearing)", why)
+        _log.warning("backward: the sm90 kernel is unavailable (%s); using cuBLAS logits and torch elementwise "
+                     "ops (same formula, slower, a row's hidden gradient not promised batch-invariant; gradient "
+                     "bytes are not contract-bearing)", why)
         _warned = True
     return ext
 
@@ -72,13 +89,15 @@ def logp_grads(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, *
         chunk = cuda_chunk(n) if fast else _CHUNK
     g_logp = torch.zeros(n, dtype=dt, device=dev) if g_logp is None else g_logp.to(dt)
     g_lse = torch.zeros(n, dtype=dt, device=dev) if g_lse is None else g_lse.to(dt)
-    dh = torch.zeros(n, d, dtype=dt, device=dev)
-    dw = torch.zeros(weight.shape, dtype=weight.dtype if fast else dt, device=dev)
     db = torch.zeros(weight.shape[0], dtype=dt, device=dev) if bias is not None else None
     if fast:
-        _grads_cuda_bf16(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, vocab_start, n_real,
-                         chunk, dh, dw, db)
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)   # rows < n_real: written below
+        dw[n_real:].zero_()
+        dh = _grads_cuda_bf16(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, vocab_start, n_real,
+                              chunk, dw, db)
         return dh, dw, db
+    dh = torch.zeros(n, d, dtype=dt, device=dev)
+    dw = torch.zeros(weight.shape, dtype=dt, device=dev)
     temp = temperature.to(dt)[:, None]
     lse = lse.to(dt)[:, None]
     coef = (g_lse - g_logp)[:, None]
@@ -88,7 +107,8 @@ def logp_grads(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, *
     for c0 in range(0, n_real, chunk):
         c1 = min(n_real, c0 + chunk)
         w = weight[c0:c1].to(dt)                                            # [C, D]
-        z = h @ w.T                                                         # [N, C]
+        # row by row: a batched GEMM picks its kernel (and summation order) by the row count
+        z = torch.stack([torch.mv(w, h[i]) for i in range(n)]) if n else h @ w.T   # [N, C]
         if bias is not None:
             z += bias[c0:c1].to(dt)
         dz = _dz_torch(z, temp, lse, coef, g_logp, local_t - c0, rows)
@@ -110,40 +130,68 @@ def _dz_torch(z, temp, lse, coef, g_logp, tcol, rows):
 
 
 def _grads_cuda_bf16(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, vocab_start, n_real, chunk,
-                     dh, dw, db):
-    """Per chunk: z = h W_c^T (cuBLAS, bf16 operands, FP32 out); dz (one elementwise kernel, bf16 out);
-    dh += dz W_c (cuBLAS accumulates into the FP32 dh, beta = 1); dW_c = dz^T h (cuBLAS, bf16 out, written in
-    place); db_c = column sums of dz in FP32. Chunks in ascending vocabulary order, no atomics."""
-    n = hidden.shape[0]
+                     dw, db):
+    """The CUDA bf16 path of the module docstring: fills dw (like weight, bf16) and db ([V_local] FP32) and
+    returns dh [N, D] FP32 (a view of whole 1024-row slices)."""
+    n, d = hidden.shape
     dev = hidden.device
-    f32 = dict(dtype=torch.float32, device=dev)
+    if n == 0:
+        dw.zero_()
+        return torch.zeros(0, d, dtype=torch.float32, device=dev)
     temp = temperature.to(torch.float32).contiguous()
     lse32 = lse.to(torch.float32).contiguous()
     coef = (g_lse - g_logp).to(torch.float32).contiguous()
     gl = g_logp.to(torch.float32).contiguous()
     tg = targets.to(torch.int64).contiguous()
+    hidden, weight = hidden.contiguous(), weight.contiguous()
     ext = _dz_kernel(dev)
-    zbuf = torch.empty(n * chunk, **f32)
-    dbuf = torch.empty(n * chunk, dtype=torch.bfloat16, device=dev)
-    rows = torch.arange(n, device=dev) if ext is None else None
+    sl = _CUDA_SLICE
+    group = cuda_group(n, 2 if ext is not None else 6)
+    n_pad = -(-n // sl) * sl
+    # dh in whole slices: the rows beyond N take zero dz and are dropped
+    dh_pad = torch.zeros(n_pad, d, dtype=torch.float32, device=dev)
+    ld = -(-chunk // 8) * 8         # 16-byte aligned rows; room for the kernel's column-pair stores
+    dzbuf = torch.empty(group, ld, dtype=torch.bfloat16, device=dev)
+    zbuf = torch.empty(group, chunk, dtype=torch.float32, device=dev) if ext is None else None
+    rows_idx = torch.arange(group, device=dev) if ext is None else None
+    grouped = group < n
+    dwacc = torch.empty(chunk, d, dtype=torch.float32, device=dev) if grouped else None
     for c0 in range(0, n_real, chunk):
         c1 = min(n_real, c0 + chunk)
         cc = c1 - c0
         w = weight[c0:c1]
-        z = zbuf[:n * cc].view(n, cc)
-        torch.mm(hidden, w.T, out_dtype=torch.float32, out=z)
-        dzb = dbuf[:n * cc].view(n, cc)
         b = None if bias is None else bias[c0:c1].to(torch.float32).contiguous()
-        if ext is not None:
-            ext.backward_dz(z, b, temp, lse32, coef, gl, tg, int(vocab_start + c0), dzb)
-        else:
-            if b is not None:
-                z += b
-            dzb.copy_(_dz_torch(z, temp[:, None], lse32[:, None], coef[:, None], gl, tg - (vocab_start + c0), rows))
-        if db is not None:
-            db[c0:c1] = dzb.sum(dim=0, dtype=torch.float32)
-        torch.addmm(dh, dzb, w, out_dtype=torch.float32, out=dh)
-        torch.mm(dzb.T, hidden, out=dw[c0:c1])
+        if grouped:
+            dwacc[:cc].zero_()
+        for g0 in range(0, n, group):
+            g1 = min(n, g0 + group)
+            rows = g1 - g0
+            rows_pad = -(-rows // sl) * sl
+            dz = dzbuf[:rows_pad, :cc]
+            if ext is not None:
+                ext.backward_dz(hidden[g0:g1], w, b, temp[g0:g1], lse32[g0:g1], coef[g0:g1], gl[g0:g1],
+                                tg[g0:g1], int(vocab_start + c0), cc, dz[:rows])
+            else:
+                z = zbuf[:rows, :cc]
+                torch.mm(hidden[g0:g1], w.T, out_dtype=torch.float32, out=z)
+                if b is not None:
+                    z += b
+                dz[:rows].copy_(_dz_torch(z, temp[g0:g1, None], lse32[g0:g1, None], coef[g0:g1, None], gl[g0:g1],
+                                          tg[g0:g1] - (vocab_start + c0), rows_idx[:rows]))
+            if rows_pad > rows:
+                dz[rows:].zero_()
+            for s0 in range(0, rows_pad, sl):
+                out = dh_pad[g0 + s0:g0 + s0 + sl]
+                torch.addmm(out, dz[s0:s0 + sl], w, out_dtype=torch.float32, out=out)
+            if db is not None:
+                db[c0:c1] += dz[:rows].sum(dim=0, dtype=torch.float32)
+            if grouped:
+                torch.addmm(dwacc[:cc], dz[:rows].T, hidden[g0:g1], out_dtype=torch.float32, out=dwacc[:cc])
+            else:
+                torch.mm(dz[:rows].T, hidden[g0:g1], out=dw[c0:c1])
+        if grouped:
+            dw[c0:c1] = dwacc[:cc]
+    return dh_pad[:n]
 
 
 class LinearLogpFunction(torch.autograd.Function):

@@ -1,116 +1,92 @@
-// Backward of linear_logp: the elementwise step between the recompute GEMM and the two gradient GEMMs.
+// Backward of linear_logp: the recompute GEMM of one vocabulary chunk with the logit gradient in its epilogue.
 //
-// Gradient bytes are not part of the contract, but they are deterministic (no atomics, no reductions here).
-// For one vocabulary chunk of recomputed FP32 logits z [N, C] (unscaled, row n's chunk column c is vocabulary
-// id col_offset + c):
-//   z'  = __fdiv_rn(z + b, T)               the forward's scaling
-//   p   = contract_exp(z' - lse)            the forward's exp
-//   dz' = coef * p (+ g_logp where id == target)          coef = g_lse - g_logp
-//   dz  = dz' / T, rounded once to bf16: the operand of dh = dz W and dW = dz^T h (FP32 accumulation).
-// One pass over the chunk: read 4 bytes, write 2 bytes per element.
-#include <torch/extension.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include "contract_math.cuh"
+// Gradient bytes are not part of the contract, but they are deterministic (no atomics, no reductions here), and
+// each element depends only on its own row: z is the contract's FP32 accumulator (the 128x256 fused kernel's
+// mainloop, the same z the forward used), so a row's dz is the same alone and inside any batch. For a chunk of
+// weight rows W_c [C, D] whose row 0 is vocabulary id col_offset:
+//   z   = <h[n], W_c[c]> (+ b[c])
+//   dz  = (coef * exp(z / T - lse) + g_logp [col_offset + c == target]) / T      coef = g_lse - g_logp
+// rounded once to bf16 into out [N, C] (the operand of dh = dz W_c and dW_c = dz^T h, FP32 accumulation) through
+// shared memory and TMA stores; the FP32 logits chunk is never written. The scaling and exp are the fast forms (sm90_fused.cuh, DzRows).
+#include "sm90_fused.cuh"
 
 namespace sm90 {
+
 namespace {
-
-constexpr int kDzThreads = 256;
-constexpr int kDzVec = 8;   // columns per thread: two 16-byte loads, one 16-byte store
-
-// T == 1 skips both divisions (exact: x / 1 == x); the branch is uniform over a row.
-__device__ __forceinline__ float dz_value(float z, float b, float T, float lse, float coef, float gl, bool is_target) {
-  float zs = __fadd_rn(z, b);
-  if (T != 1.0f) zs = __fdiv_rn(zs, T);
-  const float p = contract::contract_exp(__fsub_rn(zs, lse));
-  float d = __fmul_rn(coef, p);
-  if (is_target) d = __fadd_rn(d, gl);
-  return (T != 1.0f) ? __fdiv_rn(d, T) : d;
-}
-
-// grid.x = rows, grid.y = column blocks of kDzThreads * kDzVec
-__global__ void __launch_bounds__(kDzThreads)
-dz_kernel(const float* __restrict__ z, long long ldz, int n_cols, const float* __restrict__ bias,
-          const float* __restrict__ temperature, const float* __restrict__ lse, const float* __restrict__ coef,
-          const float* __restrict__ g_logp, const int64_t* __restrict__ targets, long long col_offset,
-          __nv_bfloat16* __restrict__ out, long long ldo, int vec) {
-  const long long row = blockIdx.x;
-  const int c0 = (blockIdx.y * kDzThreads + threadIdx.x) * kDzVec;
-  if (c0 >= n_cols) return;
-  const float T = temperature[row], l = lse[row], cf = coef[row], gl = g_logp[row];
-  const long long tcol = targets[row] - col_offset;   // chunk column of the target (any value if elsewhere)
-  const float* zr = z + row * ldz;
-  __nv_bfloat16* o = out + row * ldo;
-  if (vec && c0 + kDzVec <= n_cols) {
-    const float4 a = *reinterpret_cast<const float4*>(zr + c0);
-    const float4 b = *reinterpret_cast<const float4*>(zr + c0 + 4);
-    const float v[kDzVec] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    __nv_bfloat162 r[kDzVec / 2];
-#pragma unroll
-    for (int k = 0; k < kDzVec; k += 2) {
-      const float bb0 = bias != nullptr ? bias[c0 + k] : 0.0f;
-      const float bb1 = bias != nullptr ? bias[c0 + k + 1] : 0.0f;
-      const float d0 = dz_value(v[k], bb0, T, l, cf, gl, tcol == c0 + k);
-      const float d1 = dz_value(v[k + 1], bb1, T, l, cf, gl, tcol == c0 + k + 1);
-      r[k / 2] = __floats2bfloat162_rn(d0, d1);
-    }
-    *reinterpret_cast<uint4*>(o + c0) = *reinterpret_cast<const uint4*>(r);
-  } else {
-    for (int k = 0; k < kDzVec && c0 + k < n_cols; ++k) {
-      const float bb = bias != nullptr ? bias[c0 + k] : 0.0f;
-      o[c0 + k] = __float2bfloat16_rn(dz_value(zr[c0 + k], bb, T, l, cf, gl, tcol == c0 + k));
-    }
-  }
+// The 128x256 CTA (two consumer warpgroups of 64 rows x 256 columns) with the DZ epilogue; out is stored by TMA.
+void launch_dz(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& out,
+               const FusedParams& p, cudaStream_t stream) {
+  using C = Cfg<2, 256>;
+  FusedParams q = p;
+  q.num_m = (p.n_rows + C::BM - 1) / C::BM;
+  q.num_n = (p.n_real + C::BN - 1) / C::BN;
+  const CUtensorMap mh = make_map(hidden, C::BM);
+  const CUtensorMap mw = make_map(weight, C::BN);
+  // [N, n_cols rounded up to 8] bf16 (whole 16-byte units per row), 64 x 64 boxes, 128-byte swizzle
+  const CUtensorMap mo = make_map(out.as_strided({out.size(0), (out.size(1) + 7) / 8 * 8}, {out.stride(0), 1}), 64);
+  auto kern = (p.d % kBK == 0) ? fused_stats_kernel<2, 256, true, 1, true> : fused_stats_kernel<2, 256, false, 1, true>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+  const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
+  TORCH_CHECK(blocks < (1LL << 31), "sm90 backward: grid too large");
+  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, mo, q);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void check_vec(const torch::Tensor& t, const char* name, long long n) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n,
               "sm90 backward: ", name, " must be a contiguous CUDA float32 [", n, "] tensor");
 }
-
 }  // namespace
 
-// z [N, C] FP32 (unit column stride), out [N, C] bf16 (unit column stride); bias [>= C] FP32 for this chunk or
-// none; temperature, lse, coef, g_logp [N] FP32; targets [N] int64 (vocabulary ids); col_offset = vocabulary id
-// of chunk column 0.
-void backward_dz(torch::Tensor z, c10::optional<torch::Tensor> bias, torch::Tensor temperature, torch::Tensor lse,
-                 torch::Tensor coef, torch::Tensor g_logp, torch::Tensor targets, int64_t col_offset,
-                 torch::Tensor out) {
-  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.stride(1) == 1,
-              "sm90 backward: z must be CUDA float32 [N, C] with unit column stride");
-  TORCH_CHECK(out.is_cuda() && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 &&
-                  out.size(0) == z.size(0) && out.size(1) == z.size(1),
-              "sm90 backward: out must be CUDA bfloat16 shaped like z with unit column stride");
-  const long long n = z.size(0), c = z.size(1);
-  TORCH_CHECK(c < (1LL << 30), "sm90 backward: chunk too wide");
+// hidden [N, D] bf16 and weight [R, D] bf16 (contiguous; rows >= n_cols are not read into the output);
+// bias [>= n_cols] FP32 for this chunk or none; temperature, lse, coef, g_logp [N] FP32; targets [N] int64
+// (vocabulary ids); col_offset = vocabulary id of weight row 0; out [N, n_cols] bf16 with unit column stride and
+// a row stride that is a multiple of 8 elements and a 16-byte aligned start (the TMA store's requirements).
+// Columns [n_cols, n_cols rounded up to 8) of each row are scratch: they are overwritten (the store covers whole
+// 16-byte units); nothing at or beyond that is written.
+void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                 torch::Tensor temperature, torch::Tensor lse, torch::Tensor coef, torch::Tensor g_logp,
+                 torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out) {
+  TORCH_CHECK(hidden.is_cuda() && weight.is_cuda() && hidden.scalar_type() == torch::kBFloat16 &&
+                  weight.scalar_type() == torch::kBFloat16 && hidden.dim() == 2 && weight.dim() == 2 &&
+                  hidden.size(1) == weight.size(1) && hidden.is_contiguous() && weight.is_contiguous(),
+              "sm90 backward: hidden [N, D] and weight [R, D] must be contiguous CUDA bfloat16");
+  const long long n = hidden.size(0), d = hidden.size(1);
+  TORCH_CHECK(d % contract::K_GROUP == 0 && d > 0, "sm90 backward: D must be a positive multiple of 16");
+  TORCH_CHECK(n_cols >= 1 && n_cols <= weight.size(0), "sm90 backward: n_cols must be in [1, ", weight.size(0),
+              "], got ", n_cols);
+  TORCH_CHECK(n < (1LL << 31), "sm90 backward: too many rows");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 && out.size(0) == n &&
+                  out.size(1) == n_cols && out.stride(1) == 1 && out.stride(0) % 8 == 0 && out.stride(0) >= n_cols &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "sm90 backward: out must be CUDA bfloat16 [N, n_cols] with unit column stride, a 16-byte aligned start "
+              "and a row stride that is a multiple of 8 elements");
   check_vec(temperature, "temperature", n);
   check_vec(lse, "lse", n);
   check_vec(coef, "coef", n);
   check_vec(g_logp, "g_logp", n);
   TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kInt64 && targets.is_contiguous() &&
                   targets.numel() == n, "sm90 backward: targets must be contiguous CUDA int64 [N]");
-  const float* bias_ptr = nullptr;
+  FusedParams p{};
+  p.n_rows = static_cast<int>(n);
+  p.d = static_cast<int>(d);
+  p.n_real = static_cast<int>(n_cols);
+  p.vocab_start = col_offset;
+  p.targets = targets.data_ptr<int64_t>();
+  p.temperature = temperature.data_ptr<float>();
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
-                    bias->numel() >= c, "sm90 backward: bias must be contiguous CUDA float32 covering the chunk");
-    bias_ptr = bias->data_ptr<float>();
+                    bias->numel() >= n_cols, "sm90 backward: bias must be contiguous CUDA float32 covering the chunk");
+    p.bias = bias->data_ptr<float>();
   }
-  if (n == 0 || c == 0) return;
-  const bool vec = (z.stride(0) % 4 == 0) && (out.stride(0) % 8 == 0) &&
-                   (reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 == 0) &&
-                   (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0);
-  const c10::cuda::CUDAGuard guard(z.device());
-  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((c + kDzThreads * kDzVec - 1) / (kDzThreads * kDzVec)));
-  dz_kernel<<<grid, kDzThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      z.data_ptr<float>(), z.stride(0), static_cast<int>(c), bias_ptr, temperature.data_ptr<float>(),
-      lse.data_ptr<float>(), coef.data_ptr<float>(), g_logp.data_ptr<float>(), targets.data_ptr<int64_t>(),
-      col_offset, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), out.stride(0), vec ? 1 : 0);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  p.lse = lse.data_ptr<float>();
+  p.coef = coef.data_ptr<float>();
+  p.g_logp = g_logp.data_ptr<float>();
+  p.dz = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  p.ld_dz = out.stride(0);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  launch_dz(hidden, weight, out, p, c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace sm90

@@ -146,6 +146,13 @@ struct FusedParams {
   float* target_logit;
   float* logits;      // [N, n_real] or null
   int skip_epilogue;  // timing hook only (bench): mainloop without statistics
+  // Backward mode (DZ kernels, sm90_backward.cu): instead of statistics, the logit gradient of every element
+  // dz = (coef * exp(z' - lse) + g_logp [column == target]) / T, rounded to bf16, into dz [N, ld_dz].
+  const float* lse;
+  const float* coef;    // g_lse - g_logp
+  const float* g_logp;
+  __nv_bfloat16* dz;
+  long long ld_dz;
 };
 
 template <int WM, int WGN>
@@ -186,6 +193,91 @@ __device__ __forceinline__ RowInfo load_rows(const FusedParams& p, int row_base)
 __device__ __forceinline__ int thread_row_base(int row0) {
   const int tid = threadIdx.x % 128;
   return row0 + 16 * (tid / 32) + (tid % 32) / 4;
+}
+
+// Backward mode: per-row factors of this thread's two rows (loaded after the mainloop).
+//   x = z * a - b = (z / T - lse) log2(e);  p = 2^x;  dz = cs * p (+ gt on the target column)
+// Gradient bytes are not contract-bearing: the scaling multiplies by 1/T and the exp is the hardware ex2.approx
+// (relative error ~2^-22, far below the bf16 rounding of dz, 2^-9). This is the only approximate function in
+// the kernel sources, and it is reached only from the DZ kernels (tests/test_sm90_compile.py checks both).
+struct DzRows {
+  float a[2], b[2], cs[2], gt[2];
+  long long tcol[2];   // target column relative to the chunk start; -1 for rows beyond N
+};
+
+__device__ __forceinline__ DzRows load_dz_rows(const FusedParams& p, int row_base) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  DzRows r;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + 8 * h;
+    const bool ok = row < p.n_rows;
+    const float rT = ok ? __frcp_rn(p.temperature[row]) : 1.0f;
+    r.a[h] = rT * kLog2e;
+    r.b[h] = ok ? p.lse[row] * kLog2e : 0.0f;
+    r.cs[h] = ok ? p.coef[row] * rT : 0.0f;
+    r.gt[h] = ok ? p.g_logp[row] * rT : 0.0f;
+    r.tcol[h] = ok ? static_cast<long long>(p.targets[row]) - p.vocab_start : -1;
+  }
+  return r;
+}
+
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int col0, int row0) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(col0), "r"(row0)
+               : "memory");
+}
+
+// Backward epilogue of one warpgroup tile (rows [row0, +64), columns [col0, +WGN)): every element's dz from
+// registers (accumulator layout as in wg_epilogue) as bf16 into `stage`, WGN/64 sub-tiles of 64 x 64 in the
+// 128-byte swizzle of map_o (conflict-free: the 8 rows of a store instruction hit 8 different 16-byte chunks), then
+// one thread stores the sub-tiles with TMA, which clips rows >= N and columns >= n_real.
+template <int WGN>
+__device__ __forceinline__ void wg_dz_epilogue(const float (&acc)[WGN / 2], const FusedParams& p, int row0,
+                                               int col0, const DzRows& r, uint8_t* stage, const CUtensorMap* map_o,
+                                               int bar_id) {
+  const int tid = threadIdx.x % 128;
+  const int q = tid % 4;
+  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;     // tile row of h = 0; h = 1 is r0 + 8 (same row % 8)
+  const int sw = r0 % 8;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const long long tl = r.tcol[h] - col0;
+    const int t = (tl >= 0 && tl < WGN) ? static_cast<int>(tl) : -1;   // target column within this tile
+    uint8_t* row_base = stage + (r0 + 8 * h) * 128 + 4 * q;
+#pragma unroll
+    for (int j = 0; j < WGN / 8; ++j) {
+      const int c = 8 * j + 2 * q;
+      float z0 = acc[j * 4 + 2 * h], z1 = acc[j * 4 + 2 * h + 1];
+      if (p.bias != nullptr) {
+        const int col = col0 + c;
+        if (col < p.n_real) z0 = __fadd_rn(z0, p.bias[col]);
+        if (col + 1 < p.n_real) z1 = __fadd_rn(z1, p.bias[col + 1]);
+      }
+      const float p0 = ex2_approx(__fsub_rn(__fmul_rn(z0, r.a[h]), r.b[h]));
+      const float p1 = ex2_approx(__fsub_rn(__fmul_rn(z1, r.a[h]), r.b[h]));
+      float d0 = __fmul_rn(r.cs[h], p0), d1 = __fmul_rn(r.cs[h], p1);
+      if (t == c) d0 = __fadd_rn(d0, r.gt[h]);
+      if (t == c + 1) d1 = __fadd_rn(d1, r.gt[h]);
+      *reinterpret_cast<__nv_bfloat162*>(row_base + (j / 8) * 8192 + (((j % 8) ^ sw) * 16)) =
+          __floats2bfloat162_rn(d0, d1);
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the writes above, to the TMA (async) proxy
+  asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+  if (tid == 0 && row0 < p.n_rows) {
+#pragma unroll
+    for (int k = 0; k < WGN / 64; ++k)
+      if (col0 + 64 * k < p.n_real) tma_store_2d(map_o, stage + k * 8192, col0 + 64 * k, row0);
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // shared memory is read before the CTA exits
+  }
 }
 
 // One (row, 64-column tile) unit of the epilogue. zs[2j + e] holds this thread's accumulator for column
@@ -276,11 +368,12 @@ __device__ __forceinline__ void wg_epilogue_staged(const float* st, const FusedP
   }
 }
 
-// FULL_K: D is a multiple of 64, every stage holds 4 k16 groups (straight-line wgmma issue).
-template <int WM, int WGN, bool FULL_K, int EPI_VT>
+// FULL_K: D is a multiple of 64, every stage holds 4 k16 groups (straight-line wgmma issue). DZ: the backward
+// epilogue (wg_dz_epilogue) instead of the statistics.
+template <int WM, int WGN, bool FULL_K, int EPI_VT, bool DZ>
 __global__ void __launch_bounds__(kThreads, 1)
 fused_stats_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
-                   const FusedParams p) {
+                   const __grid_constant__ CUtensorMap map_o, const FusedParams p) {
   using C = Cfg<WM, WGN>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -332,7 +425,7 @@ fused_stats_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_const
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int c = wg - 1;
   const int wm = c % WM, wn = c / WM;
-  const RowInfo ri = load_rows(p, thread_row_base(m0 + wm * 64));
+  const RowInfo ri = DZ ? RowInfo{} : load_rows(p, thread_row_base(m0 + wm * 64));
   float acc[C::ACC];
 #pragma unroll
   for (int i = 0; i < C::ACC; ++i) acc[i] = 0.0f;
@@ -361,6 +454,16 @@ fused_stats_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_const
   }
   wgmma_wait<0>();
   reg_fence<C::ACC>(acc);
+  if constexpr (DZ) {
+    // stage in the pipeline buffers once both consumer warpgroups are done reading them (named barrier 1)
+    static_assert(kConsumers * 64 * WGN * 2 <= C::STAGES * C::STAGE_BYTES, "dz staging fits");
+    asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
+    // per-row factors loaded here, not before the mainloop: live across it they cost the registers that keep
+    // the wgmma pipeline unserialised (ptxas C7515); the rows are hot in L2 (every CTA of the M tile reads them)
+    const DzRows dr = load_dz_rows(p, thread_row_base(m0 + wm * 64));
+    wg_dz_epilogue<WGN>(acc, p, m0 + wm * 64, n0 + wn * WGN, dr, smem + c * (64 * WGN * 2), &map_o, 2 + c);
+    return;
+  }
   if (p.skip_epilogue) {  // timing hook: the mainloop alone
     const int row = m0 + wm * 64 + (threadIdx.x % 128) / 4;
     float s = 0.0f;
@@ -697,11 +800,12 @@ void launch_fused(const torch::Tensor& hidden, const torch::Tensor& weight, cons
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
-  auto kern = (p.d % kBK == 0) ? fused_stats_kernel<WM, WGN, true, EPI_VT> : fused_stats_kernel<WM, WGN, false, EPI_VT>;
+  auto kern = (p.d % kBK == 0) ? fused_stats_kernel<WM, WGN, true, EPI_VT, false>
+                                : fused_stats_kernel<WM, WGN, false, EPI_VT, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
   TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");
-  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, q);
+  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, mh /*map_o: DZ kernels only*/, q);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -278,9 +278,9 @@ std::vector<torch::Tensor> explog(torch::Tensor x) {
 }  // namespace
 
 // sm90_backward.cu
-void backward_dz(torch::Tensor z, c10::optional<torch::Tensor> bias, torch::Tensor temperature, torch::Tensor lse,
-                 torch::Tensor coef, torch::Tensor g_logp, torch::Tensor targets, int64_t col_offset,
-                 torch::Tensor out);
+void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                 torch::Tensor temperature, torch::Tensor lse, torch::Tensor coef, torch::Tensor g_logp,
+                 torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out);
 // sm90_transforms.cu
 torch::Tensor topp_crossing(torch::Tensor q, double p);
 // sm90_fingerprint.cu
@@ -293,7 +293,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logits_stats", &sm90::logits_stats, "contract tile statistics from FP32 logits");
   m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
   m.def("explog", &sm90::explog, "contract exp/log on the device (test hook)");
-  m.def("backward_dz", &sm90::backward_dz, "backward: bf16 logit gradients of one vocabulary chunk");
+  m.def("backward_dz", &sm90::backward_dz, "backward: recompute GEMM of one vocabulary chunk with the bf16 logit gradient as its epilogue");
   m.def("fingerprint_rows", &sm90::fingerprint_rows, "lm_head fingerprint: [V, 2] row hashes");
   m.def("topp_crossing", &sm90::topp_crossing, "top-p: first sequential binary32 prefix sum >= p per row");
 }
