@@ -134,7 +134,8 @@ def _temperature_tensor(temperature, n, device):
     if not math.isfinite(float(temperature)) or not (float(t32) > 0) or not math.isfinite(float(t32)):
         raise ContractInputError(f"temperature must be finite and > 0 as binary32 (about [1.4e-45, 3.4e38]); "
                                  f"got {temperature!r}")
-    return t32.to(device).expand(n).contiguous()
+    # filled on the device: a host-to-device copy from pageable memory would synchronise the stream each call
+    return torch.full((n,), float(t32), dtype=torch.float32, device=device)
 
 
 def _bias_tensor(bias, rows, device):
