@@ -82,8 +82,6 @@ void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch
   p.lse = lse.data_ptr<float>();
   p.coef = coef.data_ptr<float>();
   p.g_logp = g_logp.data_ptr<float>();
-  p.dz = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-  p.ld_dz = out.stride(0);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(hidden.device());
   launch_dz(hidden, weight, out, p, c10::cuda::getCurrentCUDAStream());

@@ -147,12 +147,11 @@ struct FusedParams {
   float* logits;      // [N, n_real] or null
   int skip_epilogue;  // timing hook only (bench): mainloop without statistics
   // Backward mode (DZ kernels, sm90_backward.cu): instead of statistics, the logit gradient of every element
-  // dz = (coef * exp(z' - lse) + g_logp [column == target]) / T, rounded to bf16, into dz [N, ld_dz].
+  // dz = (coef * exp(z' - lse) + g_logp [column == target]) / T, rounded to bf16, stored through the kernel's
+  // map_o tensor map.
   const float* lse;
   const float* coef;    // g_lse - g_logp
   const float* g_logp;
-  __nv_bfloat16* dz;
-  long long ld_dz;
 };
 
 template <int WM, int WGN>
