@@ -11,7 +11,8 @@ Each shim replaces one CUDA-only piece and nothing else; the arithmetic stays Me
     the same code without that move. The frequencies, the cos/sin and apply_rotary_pos_emb are Megatron's.
     (get_pos_emb_on_this_cp_rank also calls .cuda(), only for context parallelism > 1: not shimmed.)
 
-`install()` is idempotent and does nothing when CUDA is available; `uninstall()` restores every original.
+`install()` is idempotent and does nothing when CUDA is available (unless forced); `uninstall()` restores every
+original.
 """
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ def _patch(obj, attr, new):
     setattr(obj, attr, new)
 
 
-def install() -> bool:
-    """Install the CPU shims (idempotent). Returns True when they are active, False on a CUDA machine."""
-    if torch.cuda.is_available():
+def install(force: bool = False) -> bool:
+    """Install the CPU shims (idempotent). Returns True when they are active, False on a CUDA machine unless
+    `force` (a CPU run on a machine that also has a GPU)."""
+    if torch.cuda.is_available() and not force:
         return False
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.transformer.utils as tutils

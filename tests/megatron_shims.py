@@ -1,19 +1,12 @@
-"""Test-only shims that let megatron-core's GPTModel (0.16.1, 0.19.2) run forward and backward on CPU with gloo.
+"""Test helpers that run megatron-core's GPTModel (0.16.1, 0.19.2) forward and backward with real Megatron.
 
-Each shim replaces one CUDA-only piece; nothing else of Megatron is replaced:
-  * GlobalMemoryBuffer.get_tensor  - allocates its scratch buffer on torch.cuda.current_device(); the shim
-    returns a fresh CPU tensor (used by DotProductAttention for the attention scores).
-  * the CUDA RNG tracker           - model_parallel_cuda_manual_seed needs torch.cuda RNG states; the shim is
-    Megatron's own inference tracker (its fork() is a no-op context), which is exact with dropout 0.
-  * the default causal mask        - get_default_causal_mask builds it on "cuda"; tests pass an explicit CPU
-    boolean mask [b, 1, s, s] (causal_mask below).
-  * RoPE                           - RotaryEmbedding moves inv_freq to CUDA; tests use learned absolute
-    position embeddings instead.
-Apex/TE are absent, so Megatron's local spec uses torch norms (which do not allow sequence parallelism); the
-sequence-parallel path of the plugin is therefore exercised at the output-processor level.
-
-The second half of this file (start_model_parallel, build_qwen3_style_gpt, ...) serves the CUDA runs
-(tests/test_megatron_gpu.py, bench/megatron_tp_nccl.py): NCCL and no shim at all on CUDA.
+On CPU (gloo) the CUDA-only pieces are replaced by fused_logp.megatron_cpu (its docstring lists them: the
+GlobalMemoryBuffer scratch tensor, the CUDA RNG tracker, the default causal mask, RoPE's device move); nothing
+else of Megatron is replaced. The tiny CPU model below uses learned absolute positions and an explicit CPU
+causal mask (causal_mask). Apex/TE are absent, so Megatron's local spec uses torch norms (which do not allow
+sequence parallelism); the sequence-parallel path of the plugin is therefore exercised at the output-processor
+level. On CUDA (tests/test_megatron_gpu.py, bench/megatron_tp_nccl.py) nothing is shimmed: NCCL, Megatron's own
+CUDA RNG tracker, mask, RoPE and GlobalMemoryBuffer run as in training.
 """
 from __future__ import annotations
 
@@ -23,63 +16,10 @@ import socket
 import torch
 import torch.distributed as dist
 
-_orig_get_tensor = None
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def install_cpu_shims():
-    global _orig_get_tensor
-    import megatron.core.utils as mu
-    from megatron.core import tensor_parallel
-
-    if _orig_get_tensor is None:
-        _orig_get_tensor = mu.GlobalMemoryBuffer.get_tensor
-
-        def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-            return torch.empty(tuple(tensor_shape), dtype=dtype)
-
-        mu.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-def init_distributed(rank: int, world_size: int, port: int, *, tp: int = 1, cp: int = 1):
-    """gloo process group and Megatron's model-parallel state. Returns True when it created the process group."""
-    from megatron.core import parallel_state
-
-    created = not dist.is_initialized()
-    if created:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-    install_cpu_shims()
-    return created
-
-
-def shutdown_distributed(destroy_process_group: bool = True):
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if destroy_process_group and dist.is_initialized():
-        dist.destroy_process_group()
-    remove_cpu_shims()
-
-
-def remove_cpu_shims():
-    global _orig_get_tensor
-    import megatron.core.utils as mu
-
-    if _orig_get_tensor is not None:
-        mu.GlobalMemoryBuffer.get_tensor = _orig_get_tensor
-        _orig_get_tensor = None
 
 
 def causal_mask(b: int, s: int) -> torch.Tensor:
@@ -132,16 +72,12 @@ class CaptureFinalHidden:
         self._h.remove()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# CUDA (NCCL) runs: tests/test_megatron_gpu.py and bench/megatron_tp_nccl.py. On CUDA nothing is shimmed:
-# Megatron's own CUDA RNG tracker (model_parallel_cuda_manual_seed), its default causal mask, RoPE and
-# GlobalMemoryBuffer run as in training. The same code also runs on CPU (gloo, CPU oracle) for a dry run of the
-# checks' own logic; there fused_logp.megatron_cpu supplies the CPU shims (its docstring lists them).
-# ---------------------------------------------------------------------------------------------------------
-
-def start_model_parallel(rank: int = 0, world_size: int = 1, *, tp: int = 1, device: str = "cuda", seed: int = 1234):
+def start_model_parallel(rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, device: str = "cuda",
+                         seed: int = 1234, port: int | None = None):
     """Process group (NCCL on "cuda", one GPU per rank; gloo on "cpu") unless one exists (torchrun scripts
-    create their own), Megatron's model-parallel state and RNG. Returns True when it created the process group."""
+    create their own), Megatron's model-parallel state (TP x CP), and its RNG on "cuda" or the CPU shims on
+    "cpu". Spawned ranks that create a group of several processes pass the `port` their parent chose. Returns
+    True when it created the process group."""
     from megatron.core import parallel_state, tensor_parallel
 
     from fused_logp import megatron_cpu
@@ -155,16 +91,18 @@ def start_model_parallel(rank: int = 0, world_size: int = 1, *, tp: int = 1, dev
             # one process: an in-memory store, no port (a port chosen here can collide with a parent's store)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
+            if port is None:
+                raise ValueError(f"port: the {world_size} ranks of a new process group must share one; got None")
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(free_port())
+            os.environ["MASTER_PORT"] = str(port)
             dist.init_process_group(backend, rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     if device == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        megatron_cpu.install()
+        megatron_cpu.install(force=True)
     return created
 
 

@@ -28,10 +28,10 @@ PADDED, REAL, B, S, D = 512, 500, 2, 8, 64
 
 @pytest.fixture(scope="module", autouse=True)
 def dist_world_1():
-    created = ms.init_distributed(0, 1, ms.free_port())
+    created = ms.start_model_parallel(0, 1, device="cpu")
     yield
     mp.uninstall()
-    ms.shutdown_distributed(destroy_process_group=created)
+    ms.stop_model_parallel(destroy_process_group=created)
 
 
 @pytest.fixture(autouse=True)

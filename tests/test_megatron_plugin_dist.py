@@ -146,16 +146,16 @@ def worker(rank, port, outdir):
     warnings.filterwarnings("ignore")
     res = {}
     try:
-        ms.init_distributed(rank, 2, port, tp=2)
+        ms.start_model_parallel(rank, 2, tp=2, device="cpu", port=port)
         _tp_checks(rank, res)
-        ms.init_distributed(rank, 2, port, tp=1, cp=2)
+        ms.start_model_parallel(rank, 2, tp=1, cp=2, device="cpu", port=port)
         _cp_checks(rank, res)
     except BaseException as exc:                       # reported by the parent
         import traceback
         res["error"] = "".join(traceback.format_exception(exc))
     finally:
         torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
-        ms.shutdown_distributed()
+        ms.stop_model_parallel()
 
 
 @pytest.fixture(scope="module")
