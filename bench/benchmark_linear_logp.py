@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
-import importlib.util
-import inspect
 import json
 import os
 import platform
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/peers.py (scripts run with -P)
+import peers as peer_lib  # noqa: E402
 
 
 def _do_bench(fn, rep_ms):
@@ -40,63 +40,6 @@ def _peak_extra(fn):
     peak = torch.cuda.max_memory_allocated() - base
     del out
     return peak
-
-
-def _err(e):
-    return f"{type(e).__name__}: {e}"[:2000]
-
-
-def _dist_version(dist):
-    try:
-        return importlib.metadata.version(dist)
-    except Exception as e:  # noqa: BLE001 - recorded, not fatal
-        return _err(e)
-
-
-def _liger_fwd():
-    """Liger's fused linear cross-entropy forward (its Module takes (lin_weight, _input, target)), per-token loss."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-    mod = LigerFusedLinearCrossEntropyLoss(reduction="none")
-    info = {"version": _dist_version("liger-kernel"), "file": inspect.getfile(LigerFusedLinearCrossEntropyLoss),
-            "call": 'with torch.no_grad(): LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, t)'}
-
-    def fwd(h, w, t):
-        with torch.no_grad():
-            return mod(w, h, t)
-    return fwd, info
-
-
-def _cce_fwd():
-    """Apple CCE's linear_cross_entropy forward with its default impl, per-token loss (filter_eps acts on backward)."""
-    import cut_cross_entropy
-    from cut_cross_entropy import linear_cross_entropy
-
-    params = inspect.signature(linear_cross_entropy).parameters
-    impl, eps = params["impl"].default, params["filter_eps"].default
-    info = {"version": getattr(cut_cross_entropy, "__version__", None) or _dist_version("cut-cross-entropy"),
-            "file": inspect.getfile(linear_cross_entropy),
-            "call": 'with torch.no_grad(): linear_cross_entropy(h, w, t, reduction="none")',
-            "impl": str(getattr(impl, "name", impl)).lower(), "filter_eps": eps}
-
-    def fwd(h, w, t):
-        with torch.no_grad():
-            return linear_cross_entropy(h, w, t, reduction="none")
-    return fwd, info
-
-
-def _load_peers():
-    """name -> (forward(h, w, t) or None, info); an ImportError or any other failure is kept as a string."""
-    peers = {}
-    for name, load in (("liger", _liger_fwd), ("cce", _cce_fwd)):
-        try:
-            fn, info = load()
-            peers[name] = (fn, dict(status="loaded", **info))
-        except ImportError as e:
-            peers[name] = (None, {"status": f"not installed: not measured ({_err(e)})"})
-        except Exception as e:  # noqa: BLE001
-            peers[name] = (None, {"status": f"failed to load: not measured ({_err(e)})"})
-    return peers
 
 
 def smoke():
@@ -153,9 +96,7 @@ def main():
         sys.exit(f"sm90 backend unavailable: {why}")
     be.launch_variant = args.variant
     dev = torch.device("cuda")
-    peers_missing = {name: importlib.util.find_spec(mod) is None
-                     for name, mod in (("liger", "liger_kernel"), ("cce", "cut_cross_entropy"))}
-    peers = _load_peers()
+    peers = peer_lib.load("none", no_grad=True)
     g = torch.Generator(device=dev).manual_seed(1234)
     d = args.d
     rows = []
@@ -232,7 +173,7 @@ def main():
                     row[name + "_tflops"] = flops / ms / 1e9
                     row[name + "_peak_extra_mib"] = mem / 2**20
                 except Exception as e:  # noqa: BLE001 - the peer's failure is recorded, the run goes on
-                    row[name + "_error"] = _err(e)
+                    row[name + "_error"] = peer_lib.err(e)
                 torch.cuda.empty_cache()
             row["ratio_ours_vs_gemm"] = row["ours_ms"] / row["gemm_bf16_ms"]
             row["ratio_ours_logits_vs_gemm"] = row["ours_logits_ms"] / row["gemm_bf16_ms"]
@@ -253,7 +194,7 @@ def main():
         "python": platform.python_version(),
         "backend": be.describe(),
         "timing": "triton.testing.do_bench median (CUDA events), 2 rotating hidden sets, temperature 1, no bias",
-        "peers_not_installed": [k for k, missing in peers_missing.items() if missing],
+        "peers_not_installed": peer_lib.not_installed(peers),
         "peers": {name: pinfo for name, (_, pinfo) in peers.items()},
         "rows": rows,
     }

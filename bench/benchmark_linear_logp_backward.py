@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
-import inspect
 import json
 import os
+import sys
 import time
 
 import torch
@@ -18,36 +17,23 @@ from fused_logp import linear_logp
 from fused_logp.kernel import autograd
 from fused_logp.kernel.autograd import cuda_chunk
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/peers.py (scripts run with -P)
+import peers as peer_lib  # noqa: E402
+
 D, V = 4096, 151936
 
 
-def _bench(fn, reps=10, warm=3):
+def _bench(fn, reps=10, warm=3, calls=1):
+    """Median over `reps` samples of (time of `calls` calls) / calls. calls=1: one synchronised call per sample,
+    which counts the host work before its first kernel. calls > 1 (_bench_pipelined): the host enqueues the next
+    call while the GPU runs the previous one, as in a training loop, so launch and Python overhead is hidden where
+    the GPU is the bottleneck."""
     _spin()
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _bench_pipelined(fn, calls=4, samples=7, warm=2):
-    """Median over samples of (time of `calls` back-to-back calls) / calls: the host enqueues the next call while
-    the GPU runs the previous one, as in a training loop, so launch and Python overhead is hidden where the GPU is
-    the bottleneck. _bench (one synchronised call per sample) counts that overhead."""
-    _spin()
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(calls):
@@ -57,6 +43,10 @@ def _bench_pipelined(fn, calls=4, samples=7, warm=2):
         times.append(a.elapsed_time(b) / calls)
     times.sort()
     return times[len(times) // 2]
+
+
+def _bench_pipelined(fn):
+    return _bench(fn, reps=7, warm=2, calls=4)
 
 
 def _spin(seconds=0.5):
@@ -77,65 +67,6 @@ def _peak(fn, base):
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-
-
-NOT_INSTALLED = "not installed: not measured"
-
-
-def _err(e):
-    return f"{type(e).__name__}: {e}"[:2000]
-
-
-def _dist_version(dist):
-    try:
-        return importlib.metadata.version(dist)
-    except Exception as e:  # noqa: BLE001 - a version we cannot read is recorded, not fatal
-        return _err(e)
-
-
-def _liger():
-    """Liger-Kernel's fused linear cross-entropy, reduction="sum"; its Module takes (lin_weight, _input, target)."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-    mod = LigerFusedLinearCrossEntropyLoss(reduction="sum")
-    info = {"version": _dist_version("liger-kernel"), "file": inspect.getfile(LigerFusedLinearCrossEntropyLoss),
-            "call": 'LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, t).backward()',
-            "accum_dtype": repr(mod.accum_dtype)}
-    return (lambda h, w, t: mod(w, h, t)), info
-
-
-def _cce():
-    """Apple's Cut Cross-Entropy with reduction="sum" and its default impl and filter_eps (recorded)."""
-    import cut_cross_entropy
-    from cut_cross_entropy import linear_cross_entropy
-
-    params = inspect.signature(linear_cross_entropy).parameters
-    impl, eps = params["impl"].default, params["filter_eps"].default
-    info = {"version": getattr(cut_cross_entropy, "__version__", None) or _dist_version("cut-cross-entropy"),
-            "file": inspect.getfile(linear_cross_entropy),
-            "call": 'linear_cross_entropy(h, w, t, reduction="sum").backward()',
-            "impl": str(getattr(impl, "name", impl)).lower(), "filter_eps": eps}
-    try:
-        from cut_cross_entropy.utils import _handle_eps
-
-        info["filter_eps_bf16"] = _handle_eps(eps, torch.bfloat16)
-    except Exception as e:  # noqa: BLE001
-        info["filter_eps_bf16"] = _err(e)
-    return (lambda h, w, t: linear_cross_entropy(h, w, t, reduction="sum")), info
-
-
-def _load_peers():
-    """name -> (loss(h, w, t) or None, info); an ImportError or any other failure is kept as a string."""
-    peers = {}
-    for name, load in (("liger", _liger), ("cce", _cce)):
-        try:
-            fn, info = load()
-            peers[name] = (fn, dict(status="loaded", **info))
-        except ImportError as e:
-            peers[name] = (None, {"status": f"{NOT_INSTALLED} ({_err(e)})"})
-        except Exception as e:  # noqa: BLE001
-            peers[name] = (None, {"status": f"failed to load: not measured ({_err(e)})"})
-    return peers
 
 
 def _rel_l2(a, b, rows=8192):
@@ -197,7 +128,7 @@ def _measure_peer(name, loss_fn, h, w, t, grads, ref):
         r[f"{name}_pipelined_ms"] = _bench_pipelined(peer)
         r[f"{name}_extra_MiB"] = _peak(peer, base) - grads
     except Exception as e:  # noqa: BLE001
-        r[f"{name}_error"] = _err(e)
+        r[f"{name}_error"] = peer_lib.err(e)
     h.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -206,7 +137,7 @@ def _measure_peer(name, loss_fn, h, w, t, grads, ref):
             for k, v in _peer_checks(loss_fn, h, w, t, ref).items():
                 r[f"{name}_{k}"] = v
         except Exception as e:  # noqa: BLE001
-            r[f"{name}_check_error"] = _err(e)
+            r[f"{name}_check_error"] = peer_lib.err(e)
         h.grad = w.grad = None
         torch.cuda.empty_cache()
     return r
@@ -292,7 +223,7 @@ def main():
         autograd._CUDA_CHUNK = args.chunk
     if args.slice:
         autograd._CUDA_SLICE = args.slice
-    peers = _load_peers()
+    peers = peer_lib.load("sum")
     rows = []
     for n in args.n:
         h = torch.randn(n, D, device="cuda").bfloat16().requires_grad_()

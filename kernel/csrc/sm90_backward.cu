@@ -47,38 +47,17 @@ void check_vec(const torch::Tensor& t, const char* name, long long n) {
 void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                  torch::Tensor temperature, torch::Tensor lse, torch::Tensor coef, torch::Tensor g_logp,
                  torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out) {
-  TORCH_CHECK(hidden.is_cuda() && weight.is_cuda() && hidden.scalar_type() == torch::kBFloat16 &&
-                  weight.scalar_type() == torch::kBFloat16 && hidden.dim() == 2 && weight.dim() == 2 &&
-                  hidden.size(1) == weight.size(1) && hidden.is_contiguous() && weight.is_contiguous(),
-              "sm90 backward: hidden [N, D] and weight [R, D] must be contiguous CUDA bfloat16");
-  const long long n = hidden.size(0), d = hidden.size(1);
-  TORCH_CHECK(d % contract::K_GROUP == 0 && d > 0, "sm90 backward: D must be a positive multiple of 16");
-  TORCH_CHECK(n_cols >= 1 && n_cols <= weight.size(0), "sm90 backward: n_cols must be in [1, ", weight.size(0),
-              "], got ", n_cols);
-  TORCH_CHECK(n < (1LL << 31), "sm90 backward: too many rows");
+  FusedParams p = entry_params("sm90 backward", "n_cols", hidden, weight, targets, temperature, bias, col_offset,
+                               n_cols);
+  const long long n = hidden.size(0);
   TORCH_CHECK(out.is_cuda() && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 && out.size(0) == n &&
                   out.size(1) == n_cols && out.stride(1) == 1 && out.stride(0) % 8 == 0 && out.stride(0) >= n_cols &&
                   reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
               "sm90 backward: out must be CUDA bfloat16 [N, n_cols] with unit column stride, a 16-byte aligned start "
               "and a row stride that is a multiple of 8 elements");
-  check_vec(temperature, "temperature", n);
   check_vec(lse, "lse", n);
   check_vec(coef, "coef", n);
   check_vec(g_logp, "g_logp", n);
-  TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kInt64 && targets.is_contiguous() &&
-                  targets.numel() == n, "sm90 backward: targets must be contiguous CUDA int64 [N]");
-  FusedParams p{};
-  p.n_rows = static_cast<int>(n);
-  p.d = static_cast<int>(d);
-  p.n_real = static_cast<int>(n_cols);
-  p.vocab_start = col_offset;
-  p.targets = targets.data_ptr<int64_t>();
-  p.temperature = temperature.data_ptr<float>();
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
-                    bias->numel() >= n_cols, "sm90 backward: bias must be contiguous CUDA float32 covering the chunk");
-    p.bias = bias->data_ptr<float>();
-  }
   p.lse = lse.data_ptr<float>();
   p.coef = coef.data_ptr<float>();
   p.g_logp = g_logp.data_ptr<float>();

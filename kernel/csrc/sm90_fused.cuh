@@ -790,6 +790,44 @@ inline CUtensorMap make_map(const torch::Tensor& t, int box_rows) {
   return map;
 }
 
+// Host entries (forward statistics in sm90_linear_logp.cu, backward dz in sm90_backward.cu): the checks they
+// share and the FusedParams fields they fill. hidden [N, D] and weight [R, D]: contiguous CUDA bfloat16, D a
+// positive multiple of 16; n_real (named cols_name in messages) in [1, R]; targets [N] contiguous CUDA int64;
+// temperature [N] contiguous CUDA float32; bias contiguous CUDA float32 covering the n_real columns, or none.
+inline FusedParams entry_params(const char* who, const char* cols_name, const torch::Tensor& hidden,
+                                const torch::Tensor& weight, const torch::Tensor& targets,
+                                const torch::Tensor& temperature, const c10::optional<torch::Tensor>& bias,
+                                long long vocab_start, long long n_real) {
+  TORCH_CHECK(hidden.is_cuda() && weight.is_cuda() && hidden.scalar_type() == torch::kBFloat16 &&
+                  weight.scalar_type() == torch::kBFloat16 && hidden.dim() == 2 && weight.dim() == 2 &&
+                  hidden.size(1) == weight.size(1) && hidden.is_contiguous() && weight.is_contiguous(),
+              who, ": hidden [N, D] and weight [R, D] must be contiguous CUDA bfloat16");
+  const long long n = hidden.size(0), d = hidden.size(1);
+  TORCH_CHECK(d % contract::K_GROUP == 0 && d > 0, who, ": D must be a positive multiple of 16");
+  TORCH_CHECK(n_real >= 1 && n_real <= weight.size(0), who, ": ", cols_name, " must be in [1, ", weight.size(0),
+              "], got ", n_real);
+  TORCH_CHECK(n < (1LL << 31) && n_real < (1LL << 31), who, ": sizes too large");
+  TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kInt64 && targets.is_contiguous() &&
+                  targets.numel() == n, who, ": targets must be contiguous CUDA int64 [N]");
+  TORCH_CHECK(temperature.is_cuda() && temperature.scalar_type() == torch::kFloat32 &&
+                  temperature.is_contiguous() && temperature.numel() == n,
+              who, ": temperature must be contiguous CUDA float32 [N]");
+  FusedParams p{};
+  p.n_rows = static_cast<int>(n);
+  p.d = static_cast<int>(d);
+  p.n_real = static_cast<int>(n_real);
+  p.vocab_start = vocab_start;
+  p.targets = targets.data_ptr<int64_t>();
+  p.temperature = temperature.data_ptr<float>();
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() >= n_real, who, ": bias must be contiguous CUDA float32 covering the ", cols_name,
+                " columns");
+    p.bias = bias->data_ptr<float>();
+  }
+  return p;
+}
+
 template <int WM, int WGN, int EPI_VT>
 void launch_fused(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                   cudaStream_t stream) {

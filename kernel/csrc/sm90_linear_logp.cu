@@ -136,39 +136,15 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
                  c10::optional<torch::Tensor> bias, int64_t vocab_start, int64_t n_real, torch::Tensor tile_max,
                  torch::Tensor tile_sum, torch::Tensor target_logit, c10::optional<torch::Tensor> logits,
                  int64_t variant) {
-  TORCH_CHECK(hidden.is_cuda() && weight.is_cuda(), "sm90: CUDA tensors required");
-  TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
-              "sm90: hidden and weight must be bfloat16");
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), "sm90: shape mismatch");
-  TORCH_CHECK(hidden.is_contiguous() && weight.is_contiguous(), "sm90: hidden and weight must be contiguous");
-  const long long n = hidden.size(0), d = hidden.size(1);
-  TORCH_CHECK(d % contract::K_GROUP == 0 && d > 0, "sm90: D must be a positive multiple of 16");
+  FusedParams p = entry_params("sm90", "n_real", hidden, weight, targets, temperature, bias, vocab_start, n_real);
   TORCH_CHECK(vocab_start % kTile == 0, "sm90: vocab_start must be a multiple of 64");
-  TORCH_CHECK(n_real >= 1 && n_real <= weight.size(0), "sm90: n_real out of range");
-  TORCH_CHECK(n < (1LL << 31) && n_real < (1LL << 31), "sm90: sizes too large");
+  const long long n = hidden.size(0);
   const long long nt = (n_real + kTile - 1) / kTile;
   check_f32_2d(tile_max, "tile_max", n, nt);
   check_f32_2d(tile_sum, "tile_sum", n, nt);
-  TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kInt64 && targets.numel() == n &&
-                  targets.is_contiguous(), "sm90: targets must be contiguous int64 [N]");
-  TORCH_CHECK(temperature.is_cuda() && temperature.scalar_type() == torch::kFloat32 && temperature.numel() == n &&
-                  temperature.is_contiguous(), "sm90: temperature must be contiguous float32 [N]");
   TORCH_CHECK(target_logit.is_cuda() && target_logit.scalar_type() == torch::kFloat32 && target_logit.numel() == n,
               "sm90: target_logit must be float32 [N]");
-  FusedParams p{};
-  p.n_rows = static_cast<int>(n);
-  p.d = static_cast<int>(d);
-  p.n_real = static_cast<int>(n_real);
   p.nt = static_cast<int>(nt);
-  p.vocab_start = vocab_start;
-  p.targets = targets.data_ptr<int64_t>();
-  p.temperature = temperature.data_ptr<float>();
-  p.bias = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
-                    bias->numel() >= n_real, "sm90: bias must be contiguous float32 covering the real columns");
-    p.bias = bias->data_ptr<float>();
-  }
   p.tile_max = tile_max.data_ptr<float>();
   p.tile_sum = tile_sum.data_ptr<float>();
   p.target_logit = target_logit.data_ptr<float>();
