@@ -25,25 +25,18 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -ra -m slow
 
-# On an SM90 machine (H100/H200) with torch and nvcc but no package index: the package is laid out under
-# build/gpu-pkg without installing anything; the extension builds on first use.
-GPU_PKG := build/gpu-pkg
+# On an SM90 machine (H100/H200) with torch and nvcc but no package index: the checkout runs as it is (src/ on
+# PYTHONPATH, nothing installed); the extension builds on first use.
 GPU_TESTS := tests/test_sm90.py tests/test_backward_gpu.py tests/test_transforms_gpu.py tests/test_fingerprint_gpu.py
-GPU_ENV := PYTHONPATH=$(CURDIR)/$(GPU_PKG):$(CURDIR)/tests PYTHONUNBUFFERED=1
-.PHONY: $(GPU_PKG)
+GPU_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests PYTHONUNBUFFERED=1
 
-$(GPU_PKG):
-	rm -rf $(GPU_PKG) && mkdir -p $(GPU_PKG)/fused_logp
-	cp fused_logp/*.py $(GPU_PKG)/fused_logp/ && cp -r fused_logp/golden $(GPU_PKG)/fused_logp/
-	for d in kernel shared_contract vllm_plugin megatron_plugin; do ln -s $(CURDIR)/$$d $(GPU_PKG)/fused_logp/$$d; done
-
-test-gpu: $(GPU_PKG)
+test-gpu:
 	$(GPU_ENV) $(PYTHON) -P -m pytest -q -ra -p no:cacheprovider -m gpu $(GPU_TESTS)
 
 # The two linear_logp benchmarks measure Liger-Kernel and Apple's Cut Cross-Entropy in the same run when their wheels
 # (`make peer-wheels`, below) are in build/wheels: they are installed into build/peer-site, which is on PYTHONPATH for
 # those two commands only. Without the wheels the benchmarks still run and report the peers as not measured.
-bench-gpu: $(GPU_PKG)
+bench-gpu:
 	rm -rf $(PEER_SITE)
 	@whl=$$(ls build/wheels/liger_kernel-*.whl build/wheels/cut_cross_entropy-*.whl 2>/dev/null); \
 	if [ -z "$$whl" ]; then echo "bench-gpu: no Liger/CCE wheels in build/wheels (make peer-wheels): peers not measured"; \
@@ -57,7 +50,7 @@ bench-gpu: $(GPU_PKG)
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py
 	$(GPU_ENV) $(PYTHON) -P bench/tp_validation.py
 	$(GPU_ENV) $(PYTHON) -P bench/benchmark_transforms.py
-	$(GPU_ENV) $(PYTHON) -P -m fused_logp.cli ladder --out $${OUT:-out}/ladder
+	$(GPU_ENV) $(PYTHON) -P -m fused_logp_jobs.cli ladder --out $${OUT:-out}/ladder
 
 # megatron-core 0.19.x on the SM90 machine, which has no package index: `make megatron-wheels` here (pip reaches
 # PyPI) puts the cp312 manylinux wheel in build/wheels (its requirements, torch, numpy and packaging, are on the
@@ -65,7 +58,7 @@ bench-gpu: $(GPU_PKG)
 # build/megatron-site, runs the plugin's GPU tests and, when two GPUs are visible, TP=2 over NCCL.
 MEGATRON_CORE := megatron-core==0.19.2
 MEGATRON_SITE := build/megatron-site
-MEGATRON_ENV := PYTHONPATH=$(CURDIR)/$(GPU_PKG):$(CURDIR)/tests:$(CURDIR)/$(MEGATRON_SITE) PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+MEGATRON_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests:$(CURDIR)/$(MEGATRON_SITE) PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
 megatron-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -79,14 +72,14 @@ megatron-wheels:
 # downloaded too and installed only where `import packaging` fails). CCE's default impl also runs torch.compile (inductor).
 PEER_WHEELS := liger-kernel==0.8.5 cut-cross-entropy==25.1.1 packaging==25.0
 PEER_SITE := build/peer-site
-PEER_ENV := PYTHONPATH=$(CURDIR)/$(GPU_PKG):$(CURDIR)/tests:$(CURDIR)/$(PEER_SITE) PYTHONUNBUFFERED=1
+PEER_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests:$(CURDIR)/$(PEER_SITE) PYTHONUNBUFFERED=1
 
 peer-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		-d build/wheels $(foreach w,$(PEER_WHEELS),'$(w)')
 	ls -l build/wheels
 
-test-megatron-gpu: $(GPU_PKG)
+test-megatron-gpu:
 	@ls build/wheels/megatron_core-*.whl >/dev/null 2>&1 || { echo "no megatron-core wheel in build/wheels:" \
 		"run make megatron-wheels where pip reaches PyPI, and carry build/wheels"; exit 1; }
 	rm -rf $(MEGATRON_SITE)

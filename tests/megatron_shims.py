@@ -1,6 +1,6 @@
 """Test helpers that run megatron-core's GPTModel (0.16.1, 0.19.2) forward and backward with real Megatron.
 
-On CPU (gloo) the CUDA-only pieces are replaced by fused_logp.megatron_cpu (its docstring lists them: the
+On CPU (gloo) the CUDA-only pieces are replaced by fused_logp_jobs.megatron_cpu (its docstring lists them: the
 GlobalMemoryBuffer scratch tensor, the CUDA RNG tracker, the default causal mask, RoPE's device move); nothing
 else of Megatron is replaced. The tiny CPU model below uses learned absolute positions and an explicit CPU
 causal mask (causal_mask). Apex/TE are absent, so Megatron's local spec uses torch norms (which do not allow
@@ -80,7 +80,7 @@ def start_model_parallel(rank: int = 0, world_size: int = 1, *, tp: int = 1, cp:
     True when it created the process group."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from fused_logp import megatron_cpu
+    from fused_logp_jobs import megatron_cpu
 
     created = not dist.is_initialized()
     if created:
@@ -109,7 +109,7 @@ def start_model_parallel(rank: int = 0, world_size: int = 1, *, tp: int = 1, cp:
 def stop_model_parallel(destroy_process_group: bool = True):
     from megatron.core import parallel_state
 
-    from fused_logp import megatron_cpu
+    from fused_logp_jobs import megatron_cpu
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
-from fused_logp.agreement import run  # noqa: E402
+from fused_logp_jobs.agreement import run  # noqa: E402
 
 
 def test_rollout_and_trainer_agree_exactly_on_the_logp_half(tmp_path):

@@ -3,8 +3,9 @@ version and backend; and the ladder report."""
 import json
 
 from fused_logp import CONTRACT_VERSION
-from fused_logp.golden_inputs import CASES, case_inputs
-from fused_logp.ladder import golden_digests, load_golden, run_ladder
+from fused_logp.golden.inputs import CASES, case_inputs
+from fused_logp.golden import golden_digests, load_golden
+from fused_logp_jobs.ladder import run_ladder
 
 
 def test_golden_inputs_are_stable():

@@ -15,7 +15,7 @@ a device-side assertion, after which the CUDA context is unusable); strict mode;
 weight version after an optimizer step. Skipped without an SM90 GPU or without megatron-core.
 
 FUSED_LOGP_TEST_MEGATRON_GPU_ON_CPU=1 runs the same checks on CPU at small shapes (gloo, the CPU oracle,
-fused_logp.megatron_cpu's shims): a dry run of this file's own logic on a machine without a GPU.
+fused_logp_jobs.megatron_cpu's shims): a dry run of this file's own logic on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def world_1():
         pytest.skip("needs an SM90 (H100/H200) GPU")
     created = ms.start_model_parallel(0, 1, device=DEV)
     if not ON_CPU:                       # builds the SM90 extension on first use (about a minute)
-        from fused_logp.shared_contract.registry import get_backend
+        from fused_logp.kernel.backends import get_backend
         ok, why = get_backend("sm90").available()
         assert ok, why
     yield

@@ -12,10 +12,10 @@ pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", module="megatron")
 
 import fused_logp  # noqa: E402
-from fused_logp import megatron_cpu  # noqa: E402
+from fused_logp_jobs import megatron_cpu  # noqa: E402
 from fused_logp import megatron_plugin as mp  # noqa: E402
-from fused_logp import megatron_scoring as msc  # noqa: E402
-from fused_logp.tiny_model import VOCAB, lm_head_weight, make_tiny_qwen3, read_config  # noqa: E402
+from fused_logp_jobs import megatron_scoring as msc  # noqa: E402
+from fused_logp_jobs.tiny_model import VOCAB, lm_head_weight, make_tiny_qwen3, read_config  # noqa: E402
 
 B, S = 2, 16
 LOUD = dict(initializer_range=0.1, rope_theta=1e6)    # every block moves the logits: a layout error shows

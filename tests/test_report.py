@@ -1,7 +1,7 @@
 """The agreement statistics and the report writer."""
 import numpy as np
 
-from fused_logp.report import compare, plot_drift, write_report
+from fused_logp_jobs.report import compare, plot_drift, write_report
 
 
 def test_compare_exact_and_drift():

@@ -12,7 +12,7 @@ def _loop(tmp_path, **kw):
     import subprocess
     import sys
 
-    code = ("import json, sys; from fused_logp.rl_loop import run_loop; "
+    code = ("import json, sys; from fused_logp_jobs.rl_loop import run_loop; "
             f"r = run_loop({str(tmp_path)!r}, quiet=True, **{kw!r}); print('RESULT' + json.dumps(r, default=str))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]

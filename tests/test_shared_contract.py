@@ -9,7 +9,7 @@ from fused_logp.shared_contract import constants as C
 from fused_logp.shared_contract.config import get_config, load_config, set_config
 from fused_logp.shared_contract.constants import ContractOverrideError
 from fused_logp.shared_contract.errors import StrictModeError
-from fused_logp.shared_contract.registry import select_backend
+from fused_logp.kernel.backends import select_backend
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 

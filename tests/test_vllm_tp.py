@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 from fused_logp import linear_logp, weight_fingerprint  # noqa: E402
-from fused_logp.tiny_model import lm_head_weight, make_tiny_qwen3  # noqa: E402
+from fused_logp_jobs.tiny_model import lm_head_weight, make_tiny_qwen3  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 

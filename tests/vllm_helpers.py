@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from fused_logp.tiny_model import HIDDEN, VOCAB, lm_head_weight, make_tiny_qwen3  # noqa: F401  (vLLM pads 1000 -> 1024)
-from fused_logp.tiny_model import VLLM_ENGINE_KW as ENGINE_KW
+from fused_logp_jobs.tiny_model import HIDDEN, VOCAB, lm_head_weight, make_tiny_qwen3  # noqa: F401  (vLLM pads 1000 -> 1024)
+from fused_logp_jobs.tiny_model import VLLM_ENGINE_KW as ENGINE_KW
 
 
 def in_process_llm(model_dir, plugin_cfg):

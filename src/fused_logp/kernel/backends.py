@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from .errors import BackendUnavailableError, StrictModeError
+from ..shared_contract.errors import BackendUnavailableError, StrictModeError
 
 log = logging.getLogger("fused_logp")
 

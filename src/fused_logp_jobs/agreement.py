@@ -92,10 +92,10 @@ def step_native(work: Path):
 
 
 def step_trainer(work: Path, strict: bool):
-    from . import weight_fingerprint
+    from fused_logp import weight_fingerprint
     from .megatron_cpu import install
     from .megatron_scoring import build_megatron_qwen3, lm_head_weight, score_tokens
-    from .shared_contract.config import Config, set_config
+    from fused_logp.shared_contract.config import Config, set_config
 
     set_config(Config(strict=strict, source="agreement"))
     install()
@@ -120,7 +120,7 @@ def step_trainer(work: Path, strict: bool):
 
 def _run_step(work: Path, step: str, strict: bool, env_extra=None):
     env = {**os.environ, **(env_extra or {})}
-    cmd = [sys.executable, "-m", "fused_logp.agreement", step, "--work", str(work)] + (["--strict"] if strict else [])
+    cmd = [sys.executable, "-m", "fused_logp_jobs.agreement", step, "--work", str(work)] + (["--strict"] if strict else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (work / f"{step}.log").write_text(proc.stdout + proc.stderr)
@@ -186,7 +186,7 @@ def run(out_dir="out/agreement", strict=True, seed=0) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fused_logp.agreement")
+    p = argparse.ArgumentParser(prog="python -m fused_logp_jobs.agreement")
     p.add_argument("step", choices=["rollout", "native", "trainer"])
     p.add_argument("--work", required=True, type=Path)
     p.add_argument("--strict", action="store_true")

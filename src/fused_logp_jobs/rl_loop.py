@@ -43,12 +43,12 @@ def run_loop(out_dir="out/rl", *, steps: int = 5, strict: bool = True, stale_at:
     from vllm.inputs import TokensPrompt
     from vllm.v1.sample.sampler import Sampler
 
-    from . import megatron_plugin as mp
+    from fused_logp import megatron_plugin as mp
     from .agreement import _engine
     from .megatron_cpu import install
     from .megatron_scoring import build_megatron_qwen3, score_tokens
-    from .shared_contract.config import Config, set_config
-    from .shared_contract.errors import FingerprintMismatchError
+    from fused_logp.shared_contract.config import Config, set_config
+    from fused_logp.shared_contract.errors import FingerprintMismatchError
     from .tiny_model import load_state_dict, make_tiny_qwen3
 
     work = Path(out_dir)

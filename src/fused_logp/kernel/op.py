@@ -26,7 +26,7 @@ from ..shared_contract import constants as C
 from ..shared_contract.config import get_config
 from ..shared_contract.errors import ContractInputError
 from ..shared_contract.provenance import Provenance, make_provenance
-from ..shared_contract.registry import select_backend
+from .backends import select_backend
 from .autograd import LinearLogpFunction
 
 _FLOAT_BIAS = (torch.bfloat16, torch.float16, torch.float32)

@@ -1,7 +1,8 @@
 """fused_logp: one lm_head + log-sum-exp operator with a frozen numeric contract (CONTRACT.md).
 
-The folders kernel/, shared_contract/, vllm_plugin/ and megatron_plugin/ are installed as
-fused_logp.kernel, fused_logp.shared_contract, fused_logp.vllm_plugin and fused_logp.megatron_plugin.
+Rooms: shared_contract (constants, provenance, config, errors, the fingerprint's definition; imports nothing
+above it), kernel (the op, its backends: the CPU oracle and the SM90 kernel), vllm_plugin and megatron_plugin
+(engine adapters, no arithmetic), golden (stored digests of fixed inputs).
 """
 from .shared_contract.constants import CONTRACT_VERSION
 from .kernel.op import (LogpResult, ShardStats, linear_logp, linear_logp_tp, logp_from_logits,

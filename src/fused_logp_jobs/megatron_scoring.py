@@ -5,7 +5,7 @@ a rollout through the Megatron plugin (contract op) and through Megatron's own o
     res = score_tokens(model, token_ids, temperature=0.7)     # body + output layer
     res = score_tokens(model, token_ids, hidden_states=rows)  # given final hidden states: the logp half alone
 
-On a machine without CUDA, `fused_logp.megatron_cpu.install()` is applied first (CPU shims for megatron-core).
+On a machine without CUDA, `fused_logp_jobs.megatron_cpu.install()` is applied first (CPU shims for megatron-core).
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def _mcore_version() -> str:
 
 def lm_head_weight(model) -> torch.Tensor:
     """This rank's lm_head shard [V_padded / TP, D] bf16 (the embedding when tied)."""
-    from .megatron_plugin import unwrap_gpt_model
+    from fused_logp.megatron_plugin import unwrap_gpt_model
 
     gpt = unwrap_gpt_model(model)
     return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
@@ -184,7 +184,7 @@ def lm_head_weight(model) -> torch.Tensor:
 
 def megatron_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
     """Megatron's own logits [B, S, V_padded / TP] (bf16) for token_ids [B, S] (no labels: the plugin passes)."""
-    from .megatron_plugin import unwrap_gpt_model
+    from fused_logp.megatron_plugin import unwrap_gpt_model
 
     gpt = unwrap_gpt_model(model)
     b, s = token_ids.shape
@@ -211,7 +211,7 @@ def _ordinary_logp(gpt, h_sbd, labels_bs, temperature, vocab):
 
 
 def _settings(vocab, temperature):
-    from .megatron_plugin import LogpSettings
+    from fused_logp.megatron_plugin import LogpSettings
     return LogpSettings(backend="contract", temperature=float(temperature), vocab_size=vocab)
 
 
@@ -231,7 +231,7 @@ def score_tokens(model, token_ids: torch.Tensor, *, temperature: float = 1.0, hi
     They are the final hidden states of positions 0..S-2, as [B, S-1, D], [B*(S-1), D] (sequence-major) or
     [B, S, D] (last position unused); or [N, D] rows with token_ids a 1-D tensor [N] of their target ids
     (then every result is [N] and final_hidden is [N, D])."""
-    from . import megatron_plugin as mp
+    from fused_logp import megatron_plugin as mp
 
     gpt = mp.unwrap_gpt_model(model)
     info = getattr(gpt, _INFO_ATTR, None) or {}

@@ -11,12 +11,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import CONTRACT_VERSION, linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats
-from .golden_inputs import CASES, case_inputs, digest
-from .shared_contract.registry import get_backend
-
-GOLDEN = Path(__file__).with_name("golden") / "golden.json"
-
+from fused_logp import CONTRACT_VERSION, linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats
+from fused_logp.golden import backend_key, golden_digests, load_golden
+from fused_logp.golden.inputs import CASES
+from fused_logp.kernel.backends import get_backend
 
 def _same(a, b) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
@@ -34,34 +32,6 @@ def available_backends():
 
 def _device(name):
     return torch.device("cuda") if name == "sm90" else torch.device("cpu")
-
-
-def backend_key(name) -> str:
-    info = get_backend(name).describe()
-    return f"{name}/{info['arch']}/{info['compute_capability']}"
-
-
-def golden_digests(name) -> dict:
-    out = {}
-    dev = _device(name)
-    for case in CASES:
-        h, w, t, bias, temp, v = case_inputs(case)
-        r = linear_logp(h.to(dev), w.to(dev), t.to(dev), bias=None if bias is None else bias.to(dev),
-                        temperature=temp, vocab_size=v, backend=name)
-        out[case] = digest(r.logp, r.lse)
-    return out
-
-
-def load_golden() -> dict:
-    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-
-
-def write_golden(name) -> dict:
-    data = load_golden()
-    data.setdefault(CONTRACT_VERSION, {})[backend_key(name)] = golden_digests(name)
-    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-    GOLDEN.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    return data
 
 
 def _rows(gen, n, d, v, dev):

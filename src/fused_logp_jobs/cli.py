@@ -1,4 +1,4 @@
-"""Command-line entry: `fused-logp demo` runs the op on an embedded configuration and prints what it proved."""
+"""The harness's commands (demo, agreement, rl, ladder), reached through `fused-logp`: `fused-logp demo` runs the op on an embedded configuration and prints what it proved."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from . import CONTRACT_VERSION, linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats, weight_fingerprint
-from .shared_contract.config import load_config, set_config
+from fused_logp import (CONTRACT_VERSION, linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats,
+                        weight_fingerprint)
+from fused_logp.shared_contract.config import load_config, set_config
 
 # The embedded default: a small lm_head shaped like a tiny Qwen3 head, random bf16 weights from a fixed seed.
 DEFAULT = {"rows": 12, "hidden": 256, "vocab": 4000, "padded_vocab": 4096, "seed": 20261130, "temperature": 0.7}
@@ -126,15 +127,6 @@ def ladder(args) -> int:
     return 1 if failed else 0
 
 
-def golden(args) -> int:
-    from .ladder import golden_digests, write_golden
-    digests = golden_digests(args.backend)
-    print(json.dumps(digests, indent=2))
-    if args.write:
-        write_golden(args.backend)
-    return 0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fused-logp", description=__doc__)
     p.add_argument("--config", help="YAML configuration (strict: true|false, backend: ...)")
@@ -153,15 +145,12 @@ def main(argv=None) -> int:
     rlp.add_argument("--stale-at", type=int, default=None, help="skip the weight push before this step (a test)")
     lad = sub.add_parser("ladder", help="run L1-L3 and the golden fingerprints on every backend here; write a report")
     lad.add_argument("--out", default="out/ladder", help="folder for ladder.md and ladder.json")
-    gold = sub.add_parser("golden", help="print (or --write) the golden fingerprints of a backend")
-    gold.add_argument("--backend", default="oracle")
-    gold.add_argument("--write", action="store_true", help="store them in fused_logp/golden/golden.json")
     args = p.parse_args(argv)
     if args.config:
         set_config(load_config(args.config))
     if args.cmd is None:
         args = p.parse_args(["demo"] + list(argv or []))
-    return {"demo": demo, "agreement": agreement, "rl": rl, "ladder": ladder, "golden": golden}[args.cmd](args)
+    return {"demo": demo, "agreement": agreement, "rl": rl, "ladder": ladder}[args.cmd](args)
 
 
 if __name__ == "__main__":
