@@ -15,7 +15,6 @@ import torch
 
 from fused_logp import linear_logp
 from fused_logp.kernel import autograd
-from fused_logp.kernel.autograd import cuda_chunk
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/peers.py (scripts run with -P)
 import peers as peer_lib  # noqa: E402
@@ -156,7 +155,7 @@ def _parts(h, w, t):
     if ext is None:
         return {"parts": "sm90 extension unavailable"}
     n = h.shape[0]
-    c, sl = autograd._CUDA_CHUNK, autograd._CUDA_SLICE
+    c, sl = autograd.CUDA_CHUNK, autograd._CUDA_SLICE
     n_pad = -(-n // sl) * sl
     one = torch.ones(n, device="cuda")
     lse = linear_logp(h, w, t).lse
@@ -220,7 +219,7 @@ def main():
     if args.chunk_bytes:
         autograd._CUDA_CHUNK_BYTES = args.chunk_bytes
     if args.chunk:
-        autograd._CUDA_CHUNK = args.chunk
+        autograd.CUDA_CHUNK = args.chunk
     if args.slice:
         autograd._CUDA_SLICE = args.slice
     peers = peer_lib.load("sum")
@@ -262,7 +261,7 @@ def main():
         r["ours_fwd_only_ms"] = _bench(ours_fwd)
         r["four_gemm_floor_ms"] = 4 * r["gemm_fwd_ms"]
         r["target_ms"] = 4.4 * r["gemm_fwd_ms"]
-        r["chunk"] = cuda_chunk(n)
+        r["chunk"] = autograd.CUDA_CHUNK
         r.update(_parts(h.detach(), w.detach(), t))
         ref = None
         if any(fn is not None for fn, _ in peers.values()):
@@ -303,7 +302,7 @@ def main():
     peers = {name: info for name, (_, info) in peers.items()}
     print("peers:", peers)
     out = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "chunk_bytes": autograd._CUDA_CHUNK_BYTES, "chunk": autograd._CUDA_CHUNK, "slice": autograd._CUDA_SLICE, "D": D, "V": V, "rows": rows, "peers": peers}
+           "cuda": torch.version.cuda, "chunk_bytes": autograd._CUDA_CHUNK_BYTES, "chunk": autograd.CUDA_CHUNK, "slice": autograd._CUDA_SLICE, "D": D, "V": V, "rows": rows, "peers": peers}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
 

@@ -96,11 +96,11 @@ def head(gen):
 
 def _fp_of_shards(w, bounds, vocab_size):
     """Fingerprint from shard lanes added modulo 2^64, as an integer all-reduce would."""
-    from fused_logp.shared_contract.fingerprint import _lanes
+    from fused_logp.shared_contract.fingerprint import reference_lanes, row_words
     tot = [0, 0]
     for a, b in zip(bounds, bounds[1:]):
         n_real = max(0, min(b, vocab_size) - a)
-        for k, x in enumerate(_lanes(w[a:a + n_real], a)):
+        for k, x in enumerate(reference_lanes(row_words(w[a:a + n_real]), a) if n_real else [0, 0]):
             tot[k] = (tot[k] + int(x)) & ((1 << 64) - 1)
     return f"{C.FINGERPRINT_ID}:{tot[0]:016x}{tot[1]:016x}"
 

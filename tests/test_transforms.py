@@ -129,6 +129,7 @@ def test_several_ids_per_row_equal_one_id_calls(gen):
 # ---------------------------------------------------------------------------------------------------------
 
 from fused_logp.kernel import oracle, transforms  # noqa: E402
+from fused_logp.kernel.sm90 import SM90Backend  # noqa: E402
 from fused_logp.kernel.transcendentals import (contract_exp, contract_exp_torch, contract_log,  # noqa: E402
                                                 contract_log_torch)
 
@@ -238,6 +239,19 @@ class FakeSM90:
         return torch.from_numpy(first)
 
 
+class FakeSM90Backend(SM90Backend):
+    """The real SM90 backend class (its entries, argument preparation and output buffers) over FakeSM90 in place of
+    the compiled extension, so that the transform program's device wiring runs on a CPU through the backend door."""
+
+    def __init__(self, ext):
+        super().__init__()
+        self.ext = ext
+        self.calls = ext.calls
+
+    def _module(self):
+        return self.ext
+
+
 # (name, _TOPP_PREFIX, _SPARSE_TILE_DIV, fake extension): the default schedule, the prefix rounds with sparse
 # and with dense tile statistics, and the CUDA wiring (FakeSM90).
 CONFIGS = [("default", 4096, 4, False), ("prefix7-sparse", 7, 1, False), ("prefix7-dense", 7, 10**9, True),
@@ -261,10 +275,10 @@ def test_torch_path_bytes_equal_numpy(gen, monkeypatch, program):
     ids[:, 0] = torch.where(want_keep.any(dim=1), want_keep.to(torch.uint8).argmax(dim=1), ids[:, 0])
     want = program_logp_from_logits(z, ids, program, require_kept=False, path="numpy")
     for name, prefix, div, ext in CONFIGS:
-        fake = FakeSM90() if ext else None
+        fake = FakeSM90Backend(FakeSM90()) if ext else None
         monkeypatch.setattr(transforms, "_TOPP_PREFIX", prefix)
         monkeypatch.setattr(transforms, "_SPARSE_TILE_DIV", div)
-        monkeypatch.setattr(transforms, "_sm90_ext", lambda dev, f=fake: f)
+        monkeypatch.setattr(transforms, "_device_backend", lambda dev, f=fake: f)
         got_keep = kept_mask(z, program, path="torch", rows_per_chunk=5)
         got = program_logp_from_logits(z, ids, program, require_kept=False, path="torch", rows_per_chunk=5)
         assert torch.equal(got_keep, want_keep), name

@@ -4,10 +4,15 @@ Rooms: shared_contract (constants, provenance, config, errors, the fingerprint's
 above it), kernel (the op, its backends: the CPU oracle and the SM90 kernel), vllm_plugin and megatron_plugin
 (engine adapters, no arithmetic), golden (stored digests of fixed inputs).
 """
-from .shared_contract.constants import CONTRACT_VERSION
-from .kernel.op import (LogpResult, ShardStats, linear_logp, linear_logp_tp, logp_from_logits,
+from .kernel.fingerprint import weight_fingerprint
+from .kernel.op import (LogpResult, ShardStats, linear_logp, linear_logp_program, linear_logp_tp, logp_from_logits,
                         merge_shard_stats, shard_tile_stats)
-from .shared_contract.fingerprint import weight_fingerprint
+from .kernel.transforms import TransformProgram, kept_mask, program_logp_from_logits
+from .shared_contract.constants import CONTRACT_VERSION
+from .shared_contract.errors import (BackendUnavailableError, ContractInputError, FingerprintMismatchError,
+                                     StrictModeError)
 
-__all__ = ["CONTRACT_VERSION", "LogpResult", "ShardStats", "linear_logp", "linear_logp_tp", "logp_from_logits",
-           "merge_shard_stats", "shard_tile_stats", "weight_fingerprint"]
+__all__ = ["CONTRACT_VERSION", "BackendUnavailableError", "ContractInputError", "FingerprintMismatchError",
+           "LogpResult", "ShardStats", "StrictModeError", "TransformProgram", "kept_mask", "linear_logp",
+           "linear_logp_program", "linear_logp_tp", "logp_from_logits", "merge_shard_stats",
+           "program_logp_from_logits", "shard_tile_stats", "weight_fingerprint"]

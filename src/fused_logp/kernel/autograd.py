@@ -37,10 +37,11 @@ import torch
 
 _CHUNK = 8192
 # CUDA bf16 path (see the module docstring): fixed chunk width and dh slice height, and the bound on the dz
-# buffer (plus the FP32 logits buffer when the extension is missing).
+# buffer (plus the FP32 logits buffer when the extension is missing). The chunk width does not depend on N (a
+# row's hidden gradient must not depend on the batch).
 # 16896 = 66 kernel tiles of 256 columns: on 132 SMs, any even number of 128-row tiles (N a multiple of 256) fills
 # whole waves of the recompute kernel.
-_CUDA_CHUNK = 16896
+CUDA_CHUNK = 16896
 _CUDA_SLICE = 1024
 _CUDA_CHUNK_BYTES = 320 * 2 ** 20
 
@@ -48,33 +49,26 @@ _log = logging.getLogger("fused_logp.backward")
 _warned = False
 
 
-def cuda_chunk(n: int) -> int:
-    """Vocabulary columns per chunk on the CUDA bf16 path: fixed, whatever N is (a row's hidden gradient must
-    not depend on the batch)."""
-    return _CUDA_CHUNK
-
-
 def cuda_group(n: int, bytes_per_element: int = 2) -> int:
     """Rows per group on the CUDA bf16 path: a multiple of the slice height whose [rows, chunk] buffers fit in
     _CUDA_CHUNK_BYTES (at least one slice), or all N rows rounded up to a slice when they fit."""
     s = _CUDA_SLICE
-    fit = max(s, (_CUDA_CHUNK_BYTES // (bytes_per_element * _CUDA_CHUNK)) // s * s)
+    fit = max(s, (_CUDA_CHUNK_BYTES // (bytes_per_element * CUDA_CHUNK)) // s * s)
     return min(fit, -(-max(n, 1) // s) * s)
 
 
-def _dz_kernel(device):
-    """The SM90 extension (its backward_dz) where it is available on this device, else None (logged once)."""
+def _dz_backend(device):
+    """The device backend (its backward_dz) where one serves this device, else None (logged once)."""
     global _warned
-    from . import sm90
-    ext = sm90.extension(device)
-    if ext is None and not _warned:
-        with torch.cuda.device(device):
-            why = sm90.SM90Backend().available()[1]
+    from .backends import _sm90_status, device_backend
+    be = device_backend(device)
+    if be is None and not _warned:
+        why = _sm90_status(torch.device(device))[1]
         _log.warning("backward: the sm90 kernel is unavailable (%s); using cuBLAS logits and torch elementwise "
                      "ops (same formula, slower, a row's hidden gradient not promised batch-invariant; gradient "
                      "bytes are not contract-bearing)", why)
         _warned = True
-    return ext
+    return be
 
 
 def logp_grads(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, *, vocab_start: int, n_real: int,
@@ -86,7 +80,7 @@ def logp_grads(hidden, weight, bias, targets, temperature, lse, g_logp, g_lse, *
     n, d = hidden.shape
     dev = hidden.device
     if chunk is None:
-        chunk = cuda_chunk(n) if fast else _CHUNK
+        chunk = CUDA_CHUNK if fast else _CHUNK
     g_logp = torch.zeros(n, dtype=dt, device=dev) if g_logp is None else g_logp.to(dt)
     g_lse = torch.zeros(n, dtype=dt, device=dev) if g_lse is None else g_lse.to(dt)
     db = torch.zeros(weight.shape[0], dtype=dt, device=dev) if bias is not None else None
@@ -144,16 +138,16 @@ def _grads_cuda_bf16(hidden, weight, bias, targets, temperature, lse, g_logp, g_
     gl = g_logp.to(torch.float32).contiguous()
     tg = targets.to(torch.int64).contiguous()
     hidden, weight = hidden.contiguous(), weight.contiguous()
-    ext = _dz_kernel(dev)
+    be = _dz_backend(dev)
     sl = _CUDA_SLICE
-    group = cuda_group(n, 2 if ext is not None else 6)
+    group = cuda_group(n, 2 if be is not None else 6)
     n_pad = -(-n // sl) * sl
     # dh in whole slices: the rows beyond N take zero dz and are dropped
     dh_pad = torch.zeros(n_pad, d, dtype=torch.float32, device=dev)
     ld = -(-chunk // 8) * 8         # 16-byte aligned rows; room for the kernel's column-pair stores
     dzbuf = torch.empty(group, ld, dtype=torch.bfloat16, device=dev)
-    zbuf = torch.empty(group, chunk, dtype=torch.float32, device=dev) if ext is None else None
-    rows_idx = torch.arange(group, device=dev) if ext is None else None
+    zbuf = torch.empty(group, chunk, dtype=torch.float32, device=dev) if be is None else None
+    rows_idx = torch.arange(group, device=dev) if be is None else None
     grouped = group < n
     dwacc = torch.empty(chunk, d, dtype=torch.float32, device=dev) if grouped else None
     for c0 in range(0, n_real, chunk):
@@ -168,8 +162,8 @@ def _grads_cuda_bf16(hidden, weight, bias, targets, temperature, lse, g_logp, g_
             rows = g1 - g0
             rows_pad = -(-rows // sl) * sl
             dz = dzbuf[:rows_pad, :cc]
-            if ext is not None:
-                ext.backward_dz(hidden[g0:g1], w, b, temp[g0:g1], lse32[g0:g1], coef[g0:g1], gl[g0:g1],
+            if be is not None:
+                be.backward_dz(hidden[g0:g1], w, b, temp[g0:g1], lse32[g0:g1], coef[g0:g1], gl[g0:g1],
                                 tg[g0:g1], int(vocab_start + c0), cc, dz[:rows])
             else:
                 z = zbuf[:rows, :cc]

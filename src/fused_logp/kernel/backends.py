@@ -1,14 +1,23 @@
-"""Backend registry. Strict mode selects contract-bearing backends only; everything else raises.
+"""The backends and the one door to them. Strict mode selects contract-bearing backends only; everything else raises.
 
-Backends are named and imported lazily:
   sm90    the fused wgmma kernel (contract-bearing; CUDA, compute capability 9.0)
   oracle  the CPU oracle (contract-bearing; any device, computes on the CPU)
   torch   fp32 matmul + log_softmax (NOT contract-bearing; refused in strict mode)
+
+Every backend has `name`, `contract_bearing`, `available(device=None) -> (ok, why)`, `describe()` and the
+contract entries `linear_logp`, `shard_stats`, `merge_stats(tile_max, tile_sum, target_logit) -> (logp, lse)`
+and `stats_from_logits` (the torch backend: `linear_logp` and `stats_from_logits` only). A device backend (sm90)
+also has the auxiliary entries whose bytes do not depend on where they run: `tile_stats_from_logits`,
+`topp_crossing`, `backward_dz` and `fingerprint_rows`; `device_backend(device)` returns it for tensors on an SM90
+GPU, and the backward, the transform program and the fingerprint use it there (elsewhere their torch/host
+formulation of the same arithmetic). Nothing outside this package reaches a compiled extension directly.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+
+import torch
 
 from ..shared_contract.errors import BackendUnavailableError, StrictModeError
 
@@ -45,7 +54,14 @@ def _sm90_status(device):
         backend = get_backend("sm90")
     except BackendUnavailableError as exc:
         return False, str(exc)
-    return backend.available()
+    return backend.available(device)
+
+
+def device_backend(device):
+    """The device backend serving tensors on `device` (the sm90 backend on an SM90 GPU with the extension built),
+    else None."""
+    device = torch.device(device)
+    return get_backend("sm90") if _sm90_status(device)[0] else None
 
 
 def select_backend(name: str, device, strict: bool):
@@ -63,7 +79,7 @@ def select_backend(name: str, device, strict: bool):
     if strict and not backend.contract_bearing:
         raise StrictModeError(f"backend {name!r} does not carry the contract; strict mode accepts only "
                               f"{tuple(n for n in _BACKENDS if n != 'torch')} (or 'auto')")
-    ok, why = backend.available()
+    ok, why = backend.available(device)
     if not ok:
         raise BackendUnavailableError(f"backend {name!r} is unavailable here: {why}")
     if not backend.contract_bearing:

@@ -160,7 +160,7 @@ class OracleBackend:
     name = "oracle"
     contract_bearing = True
 
-    def available(self):
+    def available(self, device=None):
         return True, "always available"
 
     def describe(self) -> dict:

@@ -66,18 +66,6 @@ def _build():
         _ext = ext
 
 
-def extension(device):
-    """The built extension when `device` is a CUDA device of compute capability 9.0 and the build succeeded, else
-    None (`SM90Backend().available()` says why). For the entries whose bytes do not depend on it (the backward's
-    elementwise step, the transform program's steps, the fingerprint's row hashes)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    with torch.cuda.device(device):
-        ok, _ = SM90Backend().available()
-    return _ext if ok else None
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -100,16 +88,21 @@ class SM90Backend:
             out.view(torch.int32).fill_(self.poison)
         return out
 
-    def available(self) -> tuple[bool, str]:
+    def available(self, device=None) -> tuple[bool, str]:
+        """Whether this backend serves tensors on `device` (default: the current CUDA device)."""
         if not torch.cuda.is_available():
             return False, "CUDA is not available"
-        cap = torch.cuda.get_device_capability()
+        device = torch.device("cuda") if device is None else torch.device(device)
+        if device.type != "cuda":
+            return False, f"inputs are on {device.type}, not CUDA"
+        cap = torch.cuda.get_device_capability(device)
         if cap != (9, 0):
-            return False, f"needs compute capability 9.0 (sm_90a), found {cap[0]}.{cap[1]}"
+            return False, (f"needs compute capability 9.0 (sm_90a); {device} has {cap[0]}.{cap[1]} "
+                           f"({torch.cuda.get_device_name(device)})")
         _build()
         if _ext is None:
             return False, _ext_error or "the sm90 extension is not built"
-        return True, f"sm90 extension built for sm_90a ({torch.cuda.get_device_name()})"
+        return True, f"sm90 extension built for sm_90a ({torch.cuda.get_device_name(device)})"
 
     def describe(self) -> dict:
         cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
@@ -175,17 +168,37 @@ class SM90Backend:
         return logp, lse
 
     def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
+        return self.merge_stats(*self.tile_stats_from_logits(logits, targets, temperature, vocab_size))
+
+    # -- auxiliary entries (their bytes do not depend on the backend: the backward's dz epilogue, the transform
+    #    program's tile statistics over FP32 logits and top-p crossing, the fingerprint's row hashes) ---------------
+    def tile_stats_from_logits(self, logits, targets, temperature, vocab_size):
+        """(tile_max [N, nt], tile_sum [N, nt], target_logit [N]) of FP32 logits rows, without the merge."""
         ext = self._module()
         n = logits.shape[0]
-        dev = logits.device
         nt = _cdiv(vocab_size, _TILE)
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
-        tile_max = self._empty(n, nt, device=dev)
-        tile_sum = self._empty(n, nt, device=dev)
-        target_logit = self._empty(n, device=dev)
-        ext.logits_stats(logits, targets.contiguous(), temperature.contiguous(), int(vocab_size), tile_max, tile_sum, target_logit)
-        return self.merge_stats(tile_max, tile_sum, target_logit)
+        tile_max = self._empty(n, nt, device=logits.device)
+        tile_sum = self._empty(n, nt, device=logits.device)
+        target_logit = self._empty(n, device=logits.device)
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()   # rows may be strided
+        ext.logits_stats(logits, targets.contiguous(), temperature.contiguous(), int(vocab_size),
+                         tile_max, tile_sum, target_logit)
+        return tile_max, tile_sum, target_logit
+
+    def topp_crossing(self, q, p: float):
+        """Per row of q [R, V] (FP32, sorted descending), the first index where the sequential binary32 sum of
+        q reaches p (CONTRACT.md section 13.3)."""
+        return self._module().topp_crossing(q.contiguous(), float(p))
+
+    def backward_dz(self, hidden, weight, bias, temperature, lse, coef, g_logp, targets, vocab_start, n_cols, out):
+        """The contract GEMM of a vocabulary chunk with the logit gradient as its epilogue: out [rows, n_cols]
+        bf16 = (coef * exp(z/T - lse) + g_logp [target]) / T (kernel/autograd.py)."""
+        self._module().backward_dz(hidden, weight, bias, temperature, lse, coef, g_logp, targets, int(vocab_start),
+                                   int(n_cols), out)
+
+    def fingerprint_rows(self, words, multipliers, first_row, golden0, golden1):
+        """Per-row fingerprint hashes [rows, 2] int64 of words [rows, D/4] int64 (shared_contract/fingerprint.py)."""
+        return self._module().fingerprint_rows(words, multipliers, first_row, golden0, golden1)
 
     # -- test hooks ---------------------------------------------------------------------------------------------
     def device_explog(self, x):

@@ -8,7 +8,7 @@ class TorchBackend:
     name = "torch"
     contract_bearing = False
 
-    def available(self):
+    def available(self, device=None):
         return True, "always available"
 
     def describe(self) -> dict:

@@ -33,7 +33,7 @@ import math
 import numpy as np
 import torch
 
-from ..shared_contract.constants import TRANSFORM_PROGRAM_VERSION
+from ..shared_contract.constants import TRANSFORM_PROGRAM_VERSION, VOCAB_TILE
 from ..shared_contract.errors import ContractInputError
 from .oracle import row_lse, selected_logp, tile_stats
 from .transcendentals import contract_exp, contract_exp_torch, contract_log
@@ -163,18 +163,15 @@ _TOPP_PREFIX = 4096
 # Tile statistics over a kept set touch only the tiles holding a kept lane when the busiest row has at most
 # 1/_SPARSE_TILE_DIV of the tiles busy (a tile without kept lanes is m_t = -inf, s_t = 0 either way).
 _SPARSE_TILE_DIV = 4
-_TILE = 64
+_TILE = VOCAB_TILE
 _INT32_MAX = 2**31 - 1
 
 
-def _sm90_ext(device: torch.device):
-    """The built SM90 extension when `device` is an SM90 GPU that has it (with the transforms entry), else None."""
-    try:
-        from . import sm90
-        ext = sm90.extension(device)
-    except Exception:  # no usable extension: the host runs the sequential steps
-        return None
-    return ext if ext is not None and hasattr(ext, "topp_crossing") else None
+def _device_backend(device: torch.device):
+    """The device backend for `device` (backends.device_backend: the sm90 backend on an SM90 GPU), else None: the
+    host then runs the sequential steps (the same bytes)."""
+    from .backends import device_backend
+    return device_backend(device)
 
 
 def resolve_path(path: str | None, device) -> str:
@@ -192,7 +189,7 @@ def describe_path(path: str | None, device) -> str:
     p = resolve_path(path, device)
     if p == "numpy":
         return "numpy (host, chunks of 64 rows)"
-    seq = "SM90 merge + topp_crossing kernels" if _sm90_ext(device) is not None else "host row merge + host top-p sum"
+    seq = "SM90 merge + topp_crossing kernels" if _device_backend(device) is not None else "host row merge + host top-p sum"
     return f"torch on {device.type} ({seq})"
 
 
@@ -272,47 +269,39 @@ def _tile_stats_torch(zs: torch.Tensor, keep: torch.Tensor | None):
     return _tile_stats_dense(z3, k3)
 
 
-def _row_lse_torch(tmax: torch.Tensor, tsum: torch.Tensor, ext) -> torch.Tensor:
-    """Section 5's lse [R] from [R, nt] statistics: the SM90 merge kernel on CUDA, oracle.row_lse elsewhere."""
-    r = tmax.shape[0]
-    if ext is not None:
-        logp = torch.empty(r, dtype=torch.float32, device=tmax.device)
-        lse = torch.empty(r, dtype=torch.float32, device=tmax.device)
-        ext.merge_stats(tmax.contiguous(), tsum.contiguous(), torch.zeros_like(lse), logp, lse)
-        return lse
+def _row_lse_torch(tmax: torch.Tensor, tsum: torch.Tensor, be) -> torch.Tensor:
+    """Section 5's lse [R] from [R, nt] statistics: the device backend's merge on CUDA, oracle.row_lse elsewhere."""
+    if be is not None:
+        return be.merge_stats(tmax, tsum, torch.zeros(tmax.shape[0], dtype=torch.float32, device=tmax.device))[1]
     return torch.from_numpy(row_lse(tmax.cpu().numpy(), tsum.cpu().numpy())).to(tmax.device)
 
 
-def _lse_torch(zs, keep, ext, z=None, t_vec=None) -> torch.Tensor:
-    """lse [R] over the kept set (None: the whole row; with the SM90 extension, its stats-from-logits kernel
-    over the unscaled z and temperature, the same bytes in one pass)."""
-    if keep is None and ext is not None and z is not None:
+def _lse_torch(zs, keep, be, z=None, t_vec=None) -> torch.Tensor:
+    """lse [R] over the kept set (None: the whole row; with a device backend, its stats-from-logits entry over
+    the unscaled z and temperature, the same bytes in one pass)."""
+    if keep is None and be is not None and z is not None:
         r, v = z.shape
-        nt = -(-v // _TILE)
-        tmax = torch.empty(r, nt, dtype=torch.float32, device=z.device)
-        tsum = torch.empty(r, nt, dtype=torch.float32, device=z.device)
-        tl = torch.empty(r, dtype=torch.float32, device=z.device)
-        ext.logits_stats(z, torch.zeros(r, dtype=torch.int64, device=z.device), t_vec, v, tmax, tsum, tl)
+        tmax, tsum, _ = be.tile_stats_from_logits(z, torch.zeros(r, dtype=torch.int64, device=z.device), t_vec, v)
     else:
         tmax, tsum = _tile_stats_torch(zs, keep)
-    return _row_lse_torch(tmax, tsum, ext)
+    return _row_lse_torch(tmax, tsum, be)
 
 
-def _crossing(q: torch.Tensor, p32: np.float32, ext) -> torch.Tensor:
+def _crossing(q: torch.Tensor, p32: np.float32, be) -> torch.Tensor:
     """int64 [R]: the first j with the sequential binary32 sum q_0 + ... + q_j >= p, or -1."""
-    if ext is not None:
-        return ext.topp_crossing(q.contiguous(), float(p32))
+    if be is not None:
+        return be.topp_crossing(q, float(p32))
     c = np.cumsum(q.cpu().numpy(), axis=1, dtype=np.float32)        # one binary32 add per step, in order
     reach = c >= p32
     first = np.where(reach.any(axis=1), reach.argmax(axis=1), -1).astype(np.int64)
     return torch.from_numpy(first).to(q.device)
 
 
-def _top_p_torch(zs, z, t_vec, d, keep, n_kept, p32, ext):
+def _top_p_torch(zs, z, t_vec, d, keep, n_kept, p32, be):
     """Section 13.3 on the kept set `keep` (None: every token; else the top-k set, the first n_kept tokens in
     key order). Returns the new kept set [R, V] bool."""
     r, v = zs.shape
-    lse_k = _lse_torch(zs, keep, ext, z, t_vec)
+    lse_k = _lse_torch(zs, keep, be, z, t_vec)
     out = keep.clone() if keep is not None else torch.ones(r, v, dtype=torch.bool, device=zs.device)
     pending = (~torch.isnan(lse_k)).nonzero()[:, 0]              # a NaN lse_K never reaches p: K stays
     lengths = [min(n_kept, _TOPP_PREFIX)] + ([n_kept] if n_kept > _TOPP_PREFIX else [])
@@ -331,7 +320,7 @@ def _top_p_torch(zs, z, t_vec, d, keep, n_kept, p32, ext):
         q = contract_exp_torch(x)
         if kp is not None:
             q = torch.where(kp.gather(1, ids), q, 0.0)            # non-kept contribute +0
-        first = _crossing(q, p32, ext)
+        first = _crossing(q, p32, be)
         hit = first >= 0
         rows = pending[hit]
         if rows.numel():
@@ -342,7 +331,7 @@ def _top_p_torch(zs, z, t_vec, d, keep, n_kept, p32, ext):
     return out
 
 
-def _program_chunk_torch(z: torch.Tensor, program: TransformProgram, ext, want_lse: bool):
+def _program_chunk_torch(z: torch.Tensor, program: TransformProgram, be, want_lse: bool):
     """z [R, V] fp32 unscaled, contiguous, on its device -> (zs [R, V], keep [R, V] bool, lse_kept [R] or None)."""
     r, v = z.shape
     t_vec = torch.full((r,), float(np.float32(program.temperature)), dtype=torch.float32, device=z.device)
@@ -354,7 +343,7 @@ def _program_chunk_torch(z: torch.Tensor, program: TransformProgram, ext, want_l
     if top_k:
         keep = _first_mask(d, program.top_k)
     if top_p:
-        keep = _top_p_torch(zs, z, t_vec, d, keep, program.top_k if top_k else v, np.float32(program.top_p), ext)
+        keep = _top_p_torch(zs, z, t_vec, d, keep, program.top_k if top_k else v, np.float32(program.top_p), be)
     del d
     if program.min_p is not None and program.min_p > 0.0:
         base = zs if keep is None else torch.where(keep, zs, float("-inf"))
@@ -363,7 +352,7 @@ def _program_chunk_torch(z: torch.Tensor, program: TransformProgram, ext, want_l
         thr = float(contract_log(np.float32(program.min_p)))
         ok = (zs - m) >= thr
         keep = ok if keep is None else keep & ok
-    lse = _lse_torch(zs, keep, ext, z, t_vec) if want_lse else None
+    lse = _lse_torch(zs, keep, be, z, t_vec) if want_lse else None
     if keep is None:
         keep = torch.ones(r, v, dtype=torch.bool, device=z.device)
     return zs, keep, lse
@@ -373,7 +362,7 @@ def _program_torch(logits, tg, program, v, rows_per_chunk):
     """The torch path on the logits' device: (logp like tg, lse [N], in_set like tg) as tensors there."""
     dev = logits.device
     n = logits.shape[0]
-    ext = _sm90_ext(dev)
+    be = _device_backend(dev)
     tg2 = tg.reshape(n, 1) if tg.dim() == 1 else tg
     logp = torch.empty(tg2.shape, dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float32, device=dev)
@@ -381,7 +370,7 @@ def _program_torch(logits, tg, program, v, rows_per_chunk):
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(n, r0 + rows_per_chunk)
         z = logits[r0:r1, :v].detach().contiguous()
-        zs, keep, ls = _program_chunk_torch(z, program, ext, True)
+        zs, keep, ls = _program_chunk_torch(z, program, be, True)
         t = tg2[r0:r1]
         dlt = zs.gather(1, t).sub_(ls[:, None])                  # z'_target - lse_kept
         logp[r0:r1] = torch.where((dlt < 0) | torch.isnan(dlt), dlt, 0.0)   # numpy's minimum(d, 0): +0 at d = -0
@@ -393,12 +382,12 @@ def _program_torch(logits, tg, program, v, rows_per_chunk):
 
 def _kept_mask_torch(logits, program, v, rows_per_chunk):
     n = logits.shape[0]
-    ext = _sm90_ext(logits.device)
+    be = _device_backend(logits.device)
     out = torch.empty(n, v, dtype=torch.bool, device=logits.device)
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(n, r0 + rows_per_chunk)
         z = logits[r0:r1, :v].detach().to(torch.float32).contiguous()
-        out[r0:r1] = _program_chunk_torch(z, program, ext, False)[1]
+        out[r0:r1] = _program_chunk_torch(z, program, be, False)[1]
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ..shared_contract.config import get_config
 from ..shared_contract.errors import FingerprintMismatchError
-from ..shared_contract.fingerprint import weight_fingerprint
+from ..kernel.fingerprint import weight_fingerprint
 from .hook import settings_for, unwrap_gpt_model
 from .parallel import group_rank, group_size
 from .settings import LogpSettings, resolve_vocab_size

@@ -6,6 +6,9 @@ hash is mix64(rowsum_L + (global_row + 1) * G_L) with the splitmix64 finaliser; 
 over real-vocab rows of the row hashes mod 2^64. Integer addition modulo 2^64 is exact, associative and
 commutative, so each rank sums its own rows and one integer all-reduce (sum) finishes it; padding rows (global
 id >= vocab_size) are skipped. It detects changed bytes; it is not a cryptographic commitment.
+
+This module is the definition (reference_lanes, in torch integer ops); `fused_logp.weight_fingerprint`
+(kernel/fingerprint.py) computes it, on an SM90 GPU with the device backend's row-hash entry.
 """
 from __future__ import annotations
 
@@ -56,34 +59,32 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
-def _device_rows_kernel(words: torch.Tensor):
-    """The SM90 extension's fingerprint_rows (the same integer arithmetic, one pass over the weight) for a
-    CUDA tensor on an SM90 GPU; None elsewhere (the torch construction below then gives the same bytes)."""
-    if not words.is_cuda:
-        return None
-    from ..kernel import sm90
-    return sm90.extension(words.device)
+def row_words(weight_rows: torch.Tensor) -> torch.Tensor:
+    """The bf16 rows [v, D] as D/4 unsigned 64-bit words per row (held in int64), little endian."""
+    if weight_rows.shape[1] % 4:
+        raise ValueError(f"fingerprint needs the hidden size to be a multiple of 4; got {weight_rows.shape[1]}")
+    return weight_rows.contiguous().view(torch.int64)
 
 
-def _lanes(weight_rows: torch.Tensor, first_row: int, use_kernel: bool = True) -> list[int]:
-    v, d = weight_rows.shape
-    if v == 0:
-        return [0, 0]
-    if d % 4:
-        raise ValueError(f"fingerprint needs the hidden size to be a multiple of 4; got {d}")
-    words = weight_rows.contiguous().view(torch.int64)            # [v, d/4]
-    ext = _device_rows_kernel(words) if use_kernel else None
-    if ext is not None:
-        mult = torch.stack([_multipliers(words.shape[1], lane, words.device) for lane in (0, 1)])
-        hashes = ext.fingerprint_rows(words, mult, first_row, _to_signed(_GOLDEN[0]), _to_signed(_GOLDEN[1]))
-        total = hashes.sum(dim=0)                                   # int64 sums wrap modulo 2^64
-        return [total[0], total[1]]
+def multipliers(words: int, device) -> torch.Tensor:
+    """[2, words] int64: the odd multipliers P_0[j], P_1[j]."""
+    return torch.stack([_multipliers(words, lane, device) for lane in (0, 1)])
+
+
+def golden_signed() -> tuple[int, int]:
+    """G_0, G_1 as signed 64-bit integers (as a device entry takes them)."""
+    return _to_signed(_GOLDEN[0]), _to_signed(_GOLDEN[1])
+
+
+def reference_lanes(words: torch.Tensor, first_row: int) -> list:
+    """The two lane sums (int64 tensors, wrapping modulo 2^64) of rows [v, D/4] whose first global id is first_row:
+    the definition above in torch integer ops, on any device."""
     lanes = []
     for lane in (0, 1):
         mult = _multipliers(words.shape[1], lane, words.device)
         total = torch.zeros((), dtype=torch.int64, device=words.device)
-        step = max(1, _ROW_CHUNK_ELEMS // words.shape[1])
-        for r0 in range(0, v, step):
+        step = max(1, _ROW_CHUNK_ELEMS // max(1, words.shape[1]))
+        for r0 in range(0, words.shape[0], step):
             w = words[r0:r0 + step]
             rowsum = (w * mult).sum(dim=1)
             idx = torch.arange(first_row + r0 + 1, first_row + r0 + 1 + w.shape[0], dtype=torch.int64,
@@ -93,19 +94,5 @@ def _lanes(weight_rows: torch.Tensor, first_row: int, use_kernel: bool = True) -
     return lanes
 
 
-def weight_fingerprint(weight_shard: torch.Tensor, *, vocab_start: int = 0, vocab_size: int | None = None,
-                       group=None, _use_kernel: bool = True) -> str:
-    """Fingerprint of the real-vocab rows of an lm_head (shard). weight_shard [V_local, D] bf16, its first row
-    global id `vocab_start`. With a torch.distributed `group`, the shards' sums are all-reduced. Returns
-    '<FINGERPRINT_ID>:<32 hex digits>'."""
-    if weight_shard.dtype != torch.bfloat16 or weight_shard.dim() != 2:
-        raise ValueError(f"weight_shard must be a 2-D bf16 tensor; got {weight_shard.dtype} {tuple(weight_shard.shape)}")
-    vocab_size = vocab_start + weight_shard.shape[0] if vocab_size is None else vocab_size
-    n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
-    lanes = _lanes(weight_shard[:n_real], vocab_start, _use_kernel)
-    lanes_t = torch.stack([torch.as_tensor(x, device=weight_shard.device) for x in lanes])
-    if group is not None:
-        import torch.distributed as dist
-        dist.all_reduce(lanes_t, op=dist.ReduceOp.SUM, group=group)
-    hi, lo = (int(x) & _MASK64 for x in lanes_t.tolist())
-    return f"{FINGERPRINT_ID}:{hi:016x}{lo:016x}"
+def format_fingerprint(hi: int, lo: int) -> str:
+    return f"{FINGERPRINT_ID}:{hi & _MASK64:016x}{lo & _MASK64:016x}"
