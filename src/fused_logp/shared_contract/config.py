@@ -24,7 +24,6 @@ BACKEND_CHOICES = ("auto", "sm90", "oracle", "torch")
 class Config:
     strict: bool = False
     backend: str = "auto"          # auto | sm90 | oracle | torch (torch is not contract-bearing)
-    log_level: str = "INFO"
     source: str = "defaults"
 
     def __post_init__(self):

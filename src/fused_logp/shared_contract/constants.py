@@ -23,7 +23,7 @@ TREE_ID = "adjacent-pairwise-64"
 MERGE_ID = "max-then-ascending-chain"
 # The exp/log of the contract: binary32 add/sub/mul and exact bit manipulation only (see transcendentals).
 TRANSCENDENTAL_ID = "contract-explog-v1"
-# The GEMM accumulation rule (Hopper bf16 tensor core, DESIGN-NOTES / CONTRACT.md section 2).
+# The GEMM accumulation rule (Hopper bf16 tensor core, CONTRACT.md section 2).
 GEMM_RULE_ID = "hopper-bf16-k16-trunc25-v1"
 # n_split is a function of V only: the merge always runs over ceil(V_real / 64) tiles.
 N_SPLIT_POLICY = "ceil(V_real/64) global tiles; CTA split of tiles is free"
