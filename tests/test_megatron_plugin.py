@@ -422,7 +422,7 @@ def test_fingerprint_after_optimizer_step():
     assert fp.version == 1 and fp.fingerprint != first
     assert fp.fingerprint == fused_logp.weight_fingerprint(ms.lm_head_weight(gpt).detach(), vocab_size=REAL)
     assert fp.check_rollout(fp.fingerprint)
-    assert not fp.check_rollout(fp.fingerprint, rollout_weight_version=0)
+    assert fp.check_rollout(fp.fingerprint, rollout_weight_version=0)     # the step count is a label, not compared
     assert not fp.check_rollout(first, strict=False)
     set_config(Config(strict=True))
     with pytest.raises(FingerprintMismatchError, match="mismatch"):
@@ -430,6 +430,39 @@ def test_fingerprint_after_optimizer_step():
     fp.detach()
     opt.step()
     assert fp.version == 1
+
+
+def test_fingerprint_cannot_pass_stale():
+    """Weights changed outside a tracked step (a checkpoint load, an in-place edit) are seen at the next check; a
+    step that leaves the lm_head bytes unchanged raises no mismatch; get_model's list is accepted."""
+    wrapped, gpt = ms.build_tiny_gpt(vocab_size=PADDED, tied=False, seed=22)
+    mp.configure("contract", vocab_size=REAL)
+    opt = torch.optim.SGD([gpt.output_layer.weight], lr=0.0)
+    fp = mp.track_lm_head([wrapped], opt)
+    loaded = fp.fingerprint
+    assert fp.model is gpt
+    opt.step()                                                             # lr 0: the bytes do not change
+    assert fp.version == 1 and fp.fingerprint == loaded and fp.check_rollout(loaded, rollout_weight_version=0)
+    state = {k: v.clone() for k, v in gpt.state_dict().items() if k == "output_layer.weight"}
+    state["output_layer.weight"][3, :5] += 0.25
+    gpt.load_state_dict(state, strict=False)                               # a checkpoint load, no optimizer step
+    with pytest.raises(FingerprintMismatchError) as err:
+        fp.check_rollout(loaded, strict=True)
+    msg = str(err.value)
+    assert f"rollout recorded {loaded}" in msg and f"trainer now {fp.fingerprint}" in msg
+    assert "without a tracked optimizer step" in msg and "the trainer's weights moved" in msg
+    assert fp.fingerprint == fused_logp.weight_fingerprint(gpt.output_layer.weight.detach(), vocab_size=REAL)
+    assert fp.check_rollout(fp.fingerprint)                                # the fresh one passes
+    with torch.no_grad():
+        gpt.output_layer.weight.data[4, 0] += 1.0                          # in place through .data: no autograd trace
+    assert not fp.check_rollout(loaded, strict=False) and fp.fingerprint != loaded
+    with pytest.raises(ValueError, match="last pipeline stage"):
+        gpt.post_process = False
+        try:
+            mp.track_lm_head([wrapped])
+        finally:
+            gpt.post_process = True
+    fp.detach()
 
 
 def test_fingerprint_with_megatron_style_step(untied):

@@ -10,6 +10,11 @@ Each shim replaces one CUDA-only piece and nothing else; the arithmetic stays Me
   * RotaryEmbedding.get_emb       - on the first call moves inv_freq to torch.cuda.current_device(); replaced by
     the same code without that move. The frequencies, the cos/sin and apply_rotary_pos_emb are Megatron's.
     (get_pos_emb_on_this_cp_rank also calls .cuda(), only for context parallelism > 1: not shimmed.)
+  * `torch` as seen by megatron.core.pipeline_parallel.schedules - the schedules allocate their token counter
+    with torch.zeros(..., device="cuda"); the module's `torch` name is bound to a view of torch that creates
+    such tensors on the CPU and is torch itself otherwise. The schedules' logic is Megatron's.
+  * `torch` as seen by megatron.core.rerun_state_machine - a rejected result (NaN / Inf / spiky loss) is
+    reported with torch.cuda.current_device(); the same view answers "cpu" there. The checks are Megatron's.
 
 `install()` is idempotent and does nothing when CUDA is available (unless forced); `uninstall()` restores every
 original.
@@ -44,6 +49,42 @@ def _cpu_get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
+class _CpuCuda:
+    """torch.cuda, except current_device() (CUDA-only) answers "cpu"."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+
+class _TorchOnCpu:
+    """torch, except that tensors requested on device="cuda" by zeros / tensor / empty / ones are made on the CPU
+    and torch.cuda.current_device() answers "cpu"."""
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _dev(device):
+        return "cpu" if (device == "cuda" or getattr(device, "type", None) == "cuda") else device
+
+    def zeros(self, *a, device=None, **kw):
+        return torch.zeros(*a, device=self._dev(device), **kw)
+
+    def ones(self, *a, device=None, **kw):
+        return torch.ones(*a, device=self._dev(device), **kw)
+
+    def empty(self, *a, device=None, **kw):
+        return torch.empty(*a, device=self._dev(device), **kw)
+
+    def tensor(self, *a, device=None, **kw):
+        return torch.tensor(*a, device=self._dev(device), **kw)
+
+
 def _patch(obj, attr, new):
     key = (obj, attr)
     if key not in _saved:
@@ -57,6 +98,8 @@ def install(force: bool = False) -> bool:
     if torch.cuda.is_available() and not force:
         return False
     import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.rerun_state_machine as rerun_state_machine
     import megatron.core.transformer.utils as tutils
     import megatron.core.utils as mu
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -69,6 +112,8 @@ def install(force: bool = False) -> bool:
         _patch(RotaryEmbedding, "get_emb", _cpu_get_emb)
         _patch(fused_softmax, "get_default_causal_mask", _cpu_default_causal_mask)
         _patch(tutils, "get_default_causal_mask", _cpu_default_causal_mask)
+        _patch(schedules, "torch", _TorchOnCpu())
+        _patch(rerun_state_machine, "torch", _TorchOnCpu())
         _saved[(mrandom, "_CUDA_RNG_STATE_TRACKER")] = mrandom._CUDA_RNG_STATE_TRACKER
         _saved[(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")] = mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -9,9 +9,15 @@ Own parser: add_logp_args(parser); args = parser.parse_args(); setup_from_args(a
 from __future__ import annotations
 
 import argparse
+import logging
 
-from ..shared_contract.config import load_config, set_config
-from .settings import BACKEND_CHOICES, LogpSettings, configure
+from ..shared_contract.config import get_config, load_config, set_config
+from ..shared_contract.constants import VOCAB_TILE
+from ..shared_contract.errors import ContractInputError, StrictModeError
+from .guards import UnsupportedMegatronConfigError
+from .settings import BACKEND_CHOICES, LogpSettings, check_backend_allowed, configure, resolve_vocab_size
+
+log = logging.getLogger("fused_logp")
 
 
 def add_logp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -19,7 +25,8 @@ def add_logp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("fused-logp", "per-token logp/lse from the contract op instead of the "
                                                 "output layer + vocab-parallel cross-entropy")
     g.add_argument("--logp-backend", choices=BACKEND_CHOICES, default=None,
-                   help="contract: the op's contract backend (SM90 kernel on Hopper, CPU oracle elsewhere); "
+                   help="contract: the op's contract backend (the SM90 kernel on Hopper; the CPU oracle for CPU tensors; "
+                        "on another CUDA GPU refused unless the YAML says backend: oracle); "
                         "torch: fp32 matmul + log_softmax, not contract-bearing, refused in strict mode. "
                         "Unset: Megatron's own output layer and loss (unless --logp-config is given).")
     g.add_argument("--logp-config", default=None, metavar="YAML",
@@ -29,7 +36,8 @@ def add_logp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the rollout temperature T: logp and lse of softmax(logits / T)")
     g.add_argument("--logp-vocab-size", type=int, default=None,
                    help="the real (unpadded) vocabulary size; rows at or above it are padding and never enter the "
-                        "lse (default: --vocab-size when given; strict mode requires one of them)")
+                        "lse (default: the tokenizer's size, else --vocab-size (+1 for NullTokenizer); strict mode "
+                        "requires one of them)")
     return parser
 
 
@@ -43,7 +51,79 @@ def chain_args_providers(*providers):
     return provider
 
 
-def settings_from_args(args) -> LogpSettings:
+def _global_tokenizer():
+    """megatron.training's tokenizer when Megatron-LM built one (None with megatron-core alone or before
+    initialize_megatron)."""
+    try:
+        from megatron.training import get_tokenizer
+        return get_tokenizer()
+    except Exception:                       # not installed, or not built yet (get_tokenizer asserts)
+        return None
+
+
+def real_vocab_from_args(args, tokenizer=None):
+    """(real vocabulary size or None, where it came from): --logp-vocab-size, else the tokenizer's size (the one
+    passed, else Megatron-LM's global tokenizer), else --vocab-size (+1 with NullTokenizer, whose EOD id equals
+    --vocab-size)."""
+    v = getattr(args, "logp_vocab_size", None)
+    if v is not None:
+        return int(v), "--logp-vocab-size"
+    tok = tokenizer if tokenizer is not None else _global_tokenizer()
+    size = getattr(tok, "vocab_size", None) if tok is not None else None
+    if size is not None:
+        return int(size), f"the tokenizer ({type(tok).__name__}.vocab_size)"
+    v = getattr(args, "vocab_size", None)
+    if v is not None:
+        if getattr(args, "tokenizer_type", None) == "NullTokenizer":
+            return int(v) + 1, "--vocab-size + 1 (NullTokenizer: ids 0..vocab_size, the last one EOD)"
+        return int(v), "--vocab-size"
+    return None, None
+
+
+def _flag_refusal(what, flag, why):
+    raise UnsupportedMegatronConfigError(f"fused_logp Megatron plugin: {what} is not supported ({why}): turn off "
+                                         f"{flag}, or run without --logp-backend")
+
+
+def check_args(args, settings: LogpSettings, vocab_source=None) -> None:
+    """Every configuration refusal the arguments already decide, at setup (before a model is built), each
+    naming the Megatron flag to change."""
+    cfg = get_config()
+    if not settings.enabled:
+        if cfg.strict:
+            raise StrictModeError(f"strict mode is set ({cfg.source}) but the fused_logp plugin is off, so Megatron's "
+                                  f"ordinary output layer and cross-entropy would run: pass --logp-backend contract "
+                                  f"(or unset strict mode)")
+        return
+    if getattr(args, "mtp_num_layers", None):
+        _flag_refusal("multi-token prediction", "--mtp-num-layers",
+                      "its heads call output_layer and compute_language_model_loss outside the contract op")
+    if getattr(args, "defer_embedding_wgrad_compute", False):
+        _flag_refusal("deferred embedding wgrad", "--defer-embedding-wgrad-compute",
+                      "the plugin bypasses output_layer, so its deferred-wgrad buffers would stay empty")
+    if getattr(args, "use_mup", False) and getattr(args, "mup_output_mult", 1.0) not in (None, 1.0):
+        _flag_refusal("MuP logit scaling", "--use-mup", "the contract's logits are h.W / T with no multiplier")
+    padded = getattr(args, "padded_vocab_size", None)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    if padded:
+        if settings.vocab_size is not None and settings.vocab_size > padded:
+            raise ContractInputError(f"the real vocabulary size {settings.vocab_size} (from {vocab_source}) exceeds "
+                                     f"the model's padded output size {padded}: fix --logp-vocab-size or "
+                                     f"--vocab-size / --padded-vocab-size")
+        if tp > 1 and (padded // tp) % VOCAB_TILE:
+            div = getattr(args, "make_vocab_size_divisible_by", None)
+            raise ContractInputError(f"the output layer's vocabulary shards ({padded} rows / TP={tp} = {padded / tp:g} "
+                                     f"rows each) do not start on multiples of the contract's tile width {VOCAB_TILE}: "
+                                     f"set --make-vocab-size-divisible-by to a multiple of {VOCAB_TILE} (it is {div}), "
+                                     f"or --padded-vocab-size to a multiple of {VOCAB_TILE * tp}")
+        if settings.vocab_size is None:
+            resolve_vocab_size(settings, padded, cfg.strict)        # strict: refuses; otherwise: the loud warning
+    elif settings.vocab_size is None and cfg.strict:
+        raise ContractInputError("strict mode needs the real (unpadded) vocabulary size: pass --logp-vocab-size "
+                                 "(or run with a Megatron tokenizer, or --vocab-size)")
+
+
+def settings_from_args(args, tokenizer=None) -> LogpSettings:
     """LogpSettings from parsed arguments (loads --logp-config into the fused_logp configuration)."""
     backend = getattr(args, "logp_backend", None)
     path = getattr(args, "logp_config", None)
@@ -52,18 +132,49 @@ def settings_from_args(args) -> LogpSettings:
         set_config(cfg)
         if backend is None:
             backend = "torch" if cfg.backend == "torch" else "contract"
-    vocab = getattr(args, "logp_vocab_size", None)
-    if vocab is None:
-        vocab = getattr(args, "vocab_size", None)
+    vocab, _ = real_vocab_from_args(args, tokenizer)
     return LogpSettings(backend=backend, temperature=float(getattr(args, "logp_temperature", 1.0)),
                         vocab_size=vocab)
 
 
-def setup_from_args(args, *, install_hook: bool = True) -> LogpSettings:
-    """Configure the plugin process-wide from parsed arguments and, when enabled, install the GPTModel hook."""
-    s = settings_from_args(args)
+def setup_from_args(args, *, tokenizer=None, install_hook: bool = True) -> LogpSettings:
+    """Configure the plugin process-wide from parsed arguments, refuse what the contract does not cover (naming
+    the flag), copy Megatron's loss-check switches, and, when enabled, install the GPTModel hook."""
+    from .training import loss_checks_from_args
+
+    s = settings_from_args(args, tokenizer)
+    check_backend_allowed(s.backend)
+    _, source = real_vocab_from_args(args, tokenizer)
+    check_args(args, s, source)
     s = configure(s.backend, temperature=s.temperature, vocab_size=s.vocab_size)
+    loss_checks_from_args(args)
+    if s.enabled:
+        log.info("fused_logp: Megatron plugin on (backend %s, temperature %g, real vocabulary %s from %s)",
+                 s.backend, s.temperature, s.vocab_size, source)
     if s.enabled and install_hook:
         from .hook import install
         install()
     return s
+
+
+def check_model(model, settings: LogpSettings | None = None) -> None:
+    """The model-level refusals at setup (after get_model / Float16Module, before training): uncovered
+    TransformerConfig features, the output layer's class / bias / dtype, the real vocabulary against the output
+    rows and the shard alignment. `model` may be get_model's list."""
+    from .guards import check_config, check_output_layer
+    from .hook import settings_for, unwrap_gpt_model
+    from .parallel import group_size
+
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        check_config(unwrap_gpt_model(chunk).config)
+    gpt = unwrap_gpt_model(model)
+    settings = settings or settings_for(gpt)
+    w = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+        else gpt.output_layer.weight
+    check_output_layer(gpt.output_layer, w)
+    tp = group_size(gpt.output_layer.tp_group)
+    if tp > 1 and w.shape[0] % VOCAB_TILE:
+        raise ContractInputError(f"the output layer's vocabulary shards have {w.shape[0]} rows (TP={tp}), not a "
+                                 f"multiple of the contract's tile width {VOCAB_TILE}: set "
+                                 f"--make-vocab-size-divisible-by to a multiple of {VOCAB_TILE}")
+    resolve_vocab_size(settings, w.shape[0] * tp, get_config().strict)

@@ -21,8 +21,14 @@ log = logging.getLogger("fused_logp")
 
 
 class LmHeadFingerprint:
-    """Fingerprint of a GPTModel's lm_head (the tied embedding on a first stage), recomputed after every optimizer
-    step. `version` counts the steps that updated the weights (0 = as loaded)."""
+    """Fingerprint of a GPTModel's lm_head (the tied embedding on a first stage).
+
+    The compared weight version is the fingerprint itself (content-addressed): `check_rollout` and `current()`
+    recompute it from the weight as it is now, so weights changed outside a tracked optimizer step (a checkpoint
+    load, an in-place edit, a parameter copy) can never pass as the old ones, and a step that leaves the lm_head
+    bytes unchanged never raises a mismatch. `version` (optimizer steps that reported success since tracking
+    began) is an informational label only. The computation is a collective over the tensor-parallel group: call
+    it on every TP rank of the last pipeline stage."""
 
     def __init__(self, model, *, vocab_size: int | None = None):
         self.model = unwrap_gpt_model(model)
@@ -42,6 +48,7 @@ class LmHeadFingerprint:
         return w
 
     def refresh(self) -> str:
+        """Recompute the fingerprint from the weight as it is now (also the value of `current()`)."""
         w = self.weight().detach()
         tp = group_size(self.tp_group)
         vocab = resolve_vocab_size(LogpSettings(vocab_size=self._vocab_size or settings_for(self.model).vocab_size),
@@ -50,17 +57,19 @@ class LmHeadFingerprint:
                                               vocab_size=vocab, group=self.tp_group)
         return self.fingerprint
 
+    current = refresh
+
     def step_done(self, result=None) -> None:
-        """Count an optimizer step and refingerprint. A Megatron step that reports `update_successful=False`
-        (skipped for a loss-scale overflow) leaves the weights and the version as they were."""
+        """Count an optimizer step (the informational label) and refingerprint. A Megatron step that reports
+        `update_successful=False` (skipped for a loss-scale overflow) is not counted."""
         if isinstance(result, tuple) and result and result[0] is False:
             return
         self.version += 1
         self.refresh()
 
     def attach(self, optimizer):
-        """Refingerprint after every `optimizer.step()`: a torch optimizer through its step post-hook, any other
-        optimizer (Megatron's MegatronOptimizer / ChainedOptimizer) by wrapping its bound `step`."""
+        """Count `optimizer.step()` calls: a torch optimizer through its step post-hook, any other optimizer
+        (Megatron's MegatronOptimizer / ChainedOptimizer) by wrapping its bound `step`."""
         if isinstance(optimizer, torch.optim.Optimizer):
             self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.step_done()))
             return self
@@ -81,20 +90,25 @@ class LmHeadFingerprint:
             h.remove()
         self._hooks.clear()
 
-    def check_rollout(self, rollout_fingerprint: str, *, rollout_weight_version: int | None = None,
+    def check_rollout(self, rollout_fingerprint: str, *, rollout_weight_version=None,
                       strict: bool | None = None) -> bool:
-        """Compare with the fingerprint a rollout recorded. True when they agree. On a mismatch strict mode raises
+        """Compare the fingerprint a rollout recorded with the trainer's lm_head as it is now (recomputed here).
+        True when they agree. Weight versions are labels for the message only. On a mismatch strict mode raises
         FingerprintMismatchError; otherwise it logs a warning and returns False."""
         strict = get_config().strict if strict is None else strict
-        same = rollout_fingerprint == self.fingerprint
-        if rollout_weight_version is not None and rollout_weight_version != self.version:
-            same = False
-        if same:
+        before = self.fingerprint
+        now = self.refresh()
+        if rollout_fingerprint == now:
             return True
-        msg = (f"lm_head fingerprint mismatch: trainer {self.fingerprint} (weight version {self.version}), rollout "
-               f"{rollout_fingerprint}" + (f" (weight version {rollout_weight_version})"
-                                           if rollout_weight_version is not None else "")
-               + ": the rollout's logp were computed with other lm_head bytes")
+        rv = f" (rollout weight version {rollout_weight_version})" if rollout_weight_version is not None else ""
+        changed = (f"; the trainer's lm_head changed since it was last fingerprinted ({before}) without a tracked "
+                   f"optimizer step (checkpoint load or in-place edit)" if before != now else "")
+        if rollout_fingerprint == before and before != now:
+            side = "the trainer's weights moved after the rollout's weights were synced"
+        else:
+            side = "the rollout sampled with other lm_head bytes than the trainer holds (a stale or missed weight push)"
+        msg = (f"lm_head fingerprint mismatch: rollout recorded {rollout_fingerprint}{rv}, trainer now {now} "
+               f"(after {self.version} tracked optimizer steps){changed}: {side}")
         if strict:
             raise FingerprintMismatchError(msg)
         log.warning("fused_logp: %s", msg)
@@ -113,7 +127,8 @@ class _Unwrap:
 
 
 def track_lm_head(model, optimizer=None, *, vocab_size: int | None = None) -> LmHeadFingerprint:
-    """Fingerprint the lm_head now (at load) and, with an optimizer, after every step."""
+    """Fingerprint the lm_head now (at load) and, with an optimizer, after every step. `model` may be wrapped
+    (DDP, Float16Module) or the list `get_model` returns (the chunk with the output layer is used)."""
     fp = LmHeadFingerprint(model, vocab_size=vocab_size)
     if optimizer is not None:
         fp.attach(optimizer)

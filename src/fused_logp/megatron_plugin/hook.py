@@ -16,7 +16,7 @@ import threading
 
 from .guards import check_config
 from .processor import logp_output_processor
-from .settings import LogpSettings, check_backend_allowed, get_settings
+from .settings import LogpSettings, active_call_settings, check_backend_allowed, get_settings
 
 _ATTR = "_fused_logp_settings"
 _lock = threading.Lock()
@@ -38,8 +38,18 @@ def has_output_processor_hook() -> bool:
 
 
 def unwrap_gpt_model(model):
-    """The GPTModel inside DDP / Float16Module / other `.module` wrappers."""
+    """The GPTModel inside DDP / Float16Module / other `.module` wrappers. A list (what `get_model` returns, one
+    chunk per virtual pipeline stage) gives the chunk holding the output layer (post_process)."""
     GPTModel = _gpt_model_cls()
+    if isinstance(model, (list, tuple)):
+        if not model:
+            raise TypeError("an empty model list")
+        chunks = [unwrap_gpt_model(m) for m in model]
+        last = [c for c in chunks if c.post_process]
+        if not last:
+            raise ValueError("no model chunk on this rank holds the output layer (post_process): the lm_head lives "
+                             "on the last pipeline stage")
+        return last[-1]
     seen = 0
     while not isinstance(model, GPTModel):
         if not hasattr(model, "module") or seen > 8:
@@ -49,21 +59,24 @@ def unwrap_gpt_model(model):
 
 
 def settings_for(model) -> LogpSettings:
-    return getattr(model, _ATTR, None) or get_settings()
+    """Per-call settings (`call_settings`, the scoring API) over per-model ones over the process-wide ones."""
+    return active_call_settings() or getattr(model, _ATTR, None) or get_settings()
 
 
 def enable(model, settings: LogpSettings | None = None):
     """Per-model settings (overriding the process-wide ones), e.g. to turn the plugin on for one model only."""
     settings = settings or LogpSettings(backend="contract")
     check_backend_allowed(settings.backend)
-    setattr(unwrap_gpt_model(model), _ATTR, settings)
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        setattr(unwrap_gpt_model(chunk), _ATTR, settings)
     install()
     return model
 
 
 def disable(model):
     """This model follows Megatron's own output layer and loss again (a disabled per-model setting)."""
-    setattr(unwrap_gpt_model(model), _ATTR, LogpSettings(backend=None))
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        setattr(unwrap_gpt_model(chunk), _ATTR, LogpSettings(backend=None))
     return model
 
 

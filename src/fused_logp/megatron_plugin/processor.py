@@ -14,7 +14,7 @@ from ..shared_contract.errors import ContractInputError
 from .grad import _op_with_grad
 from .guards import UnsupportedMegatronConfigError, check_config, check_output_layer
 from .parallel import gather_sequence_parallel, group_rank, group_size
-from .settings import LogpSettings, call_temperature, get_settings, resolve_vocab_size
+from .settings import LogpSettings, active_call_settings, call_extra, call_temperature, get_settings, resolve_vocab_size
 
 
 @dataclasses.dataclass
@@ -31,23 +31,10 @@ class LogpOutput:
         return -self.logp
 
 
-def logp_loss_func(loss_mask, output_tensor: LogpOutput):
-    """Loss function in pretrain_gpt's 3-tuple form: (sum of masked -logp, token count, report)."""
-    mask = loss_mask if loss_mask is not None else output_tensor.loss_mask
-    nll = output_tensor.nll().float()
-    if mask is None:
-        mask = torch.ones_like(nll)
-    mask = mask.reshape(-1).float()
-    loss = torch.sum(nll.reshape(-1) * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
-
-
 def _settings_from_context(context) -> LogpSettings:
     if isinstance(context, LogpSettings):
         return context
-    base = get_settings()
+    base = active_call_settings() or get_settings()
     if isinstance(context, dict):
         known = {f.name for f in dataclasses.fields(LogpSettings)}
         over = {k: v for k, v in context.items() if k in known and not hasattr(v, "shape")}
@@ -133,13 +120,43 @@ def logp_output_processor(*, hidden_states, output_layer, output_weight=None, la
         flat_labels = flat_labels.index_select(0, rows)
     targets = flat_labels.to(torch.int64)
     _check_targets(targets, vocab_size, padded)
-    temperature = _temperature_rows(settings, context, b, s, rows, h.device)
-
-    logp, lse, prov = _op_with_grad(h2, weight, targets, temperature=temperature, vocab_start=rank * v_local,
-                                    vocab_size=vocab_size, tp_group=tp_group if tp > 1 else None,
-                                    reduce_hidden_grad=reduce_hidden, backend=settings.op_backend())
+    program = call_extra().get("program")
+    if program is None and isinstance(context, dict):
+        program = context.get("program")
+    if program is not None and not program.is_neutral(vocab_size):
+        logp, lse, prov = _program_rows(h2, weight, targets, program, rank=rank, tp=tp, tp_group=tp_group,
+                                        vocab_size=vocab_size, backend=settings.op_backend())
+    else:
+        if program is not None:
+            settings = dataclasses.replace(settings, temperature=float(program.temperature))
+        temperature = _temperature_rows(settings, context if program is None else None, b, s, rows, h.device)
+        logp, lse, prov = _op_with_grad(h2, weight, targets, temperature=temperature, vocab_start=rank * v_local,
+                                        vocab_size=vocab_size, tp_group=tp_group if tp > 1 else None,
+                                        reduce_hidden_grad=reduce_hidden, backend=settings.op_backend())
     if rows is not None:
         logp = logp.new_zeros(s * b).index_put((rows,), logp)
         lse = lse.new_zeros(s * b).index_put((rows,), lse)
     return LogpOutput(logp=logp.view(s, b).t().contiguous(), lse=lse.view(s, b).t().contiguous(),
                       loss_mask=loss_mask, provenance=prov)
+
+
+def _program_rows(h2, weight, targets, program, *, rank, tp, tp_group, vocab_size, backend):
+    """A sampling-transform program with a truncation (top-k / top-p / min-p): the op's program entry on the
+    rows, with the full lm_head (all-gathered over TP in rank order: [V_padded, D] bf16 on every rank). Scoring
+    only: no gradient flows through the kept-set selection."""
+    from ..kernel.op import linear_logp_program
+
+    if torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad):
+        raise ContractInputError("a sampling-transform program with top-k / top-p / min-p is a scoring path (no "
+                                 "gradient): call it under torch.no_grad(), or train on the temperature alone")
+    w = weight.detach()
+    if tp > 1:
+        import torch.distributed as dist
+        parts = [torch.empty_like(w) for _ in range(tp)]
+        dist.all_gather(parts, w.contiguous(), group=tp_group)
+        w = torch.cat(parts, 0)
+    if h2.shape[0] == 0:
+        empty = h2.new_zeros(0, dtype=torch.float32)
+        return empty, empty.clone(), None
+    res = linear_logp_program(h2.detach(), w, targets, program, vocab_size=vocab_size, backend=backend)
+    return res.logp, res.lse, res.provenance

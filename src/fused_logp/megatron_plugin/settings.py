@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import math
+import warnings
 
 from ..shared_contract.config import get_config, load_config, set_config
 from ..shared_contract.errors import ContractInputError, StrictModeError
+
+log = logging.getLogger("fused_logp")
 
 BACKEND_CHOICES = ("contract", "torch")
 
@@ -42,6 +46,9 @@ class LogpSettings:
 
 _settings = LogpSettings()
 _call_temperature: contextvars.ContextVar = contextvars.ContextVar("fused_logp_megatron_temperature", default=None)
+_call_settings: contextvars.ContextVar = contextvars.ContextVar("fused_logp_megatron_settings", default=None)
+_call_extra: contextvars.ContextVar = contextvars.ContextVar("fused_logp_megatron_extra", default=None)
+_warned_padding: set = set()
 
 
 def check_backend_allowed(backend: str | None) -> None:
@@ -90,13 +97,50 @@ def call_temperature():
     return _call_temperature.get()
 
 
+@contextlib.contextmanager
+def call_settings(settings: LogpSettings, **extra):
+    """Settings for every GPTModel forward inside the block, over the per-model and process-wide ones (the scoring
+    API turns the plugin on for its own calls this way). `extra` reaches the processor (e.g. `program=`)."""
+    check_backend_allowed(settings.backend)
+    token = _call_settings.set(settings)
+    token2 = _call_extra.set(extra or None)
+    try:
+        yield settings
+    finally:
+        _call_extra.reset(token2)
+        _call_settings.reset(token)
+
+
+def active_call_settings():
+    return _call_settings.get()
+
+
+def call_extra() -> dict:
+    return _call_extra.get() or {}
+
+
 def resolve_vocab_size(settings: LogpSettings, padded_vocab: int, strict: bool) -> int:
+    """The real vocabulary the statistics run over. Unknown outside strict mode: every output row, with a loud
+    warning (once per padded size) that Megatron's padding rows, if any, enter the lse."""
     if settings.vocab_size is not None:
         if settings.vocab_size > padded_vocab:
-            raise ContractInputError(f"the real vocab size {settings.vocab_size} exceeds the model's (padded) "
-                                     f"output size {padded_vocab}")
+            raise ContractInputError(f"the real vocab size {settings.vocab_size} (--logp-vocab-size, or the "
+                                     f"tokenizer's) exceeds the model's padded output size {padded_vocab} "
+                                     f"(--padded-vocab-size / --vocab-size / --make-vocab-size-divisible-by)")
         return settings.vocab_size
     if strict:
         raise ContractInputError(f"strict mode needs the real (unpadded) vocab size: pass --logp-vocab-size (the "
                                  f"model's output layer has {padded_vocab} rows, which may include padding)")
+    if padded_vocab not in _warned_padding:
+        _warned_padding.add(padded_vocab)
+        msg = (f"fused_logp Megatron plugin: the real vocabulary size is unknown (no --logp-vocab-size, no "
+               f"tokenizer); all {padded_vocab} output rows enter the lse, including any rows Megatron added as "
+               f"padding (--make-vocab-size-divisible-by): logp differ from a rollout over the real vocabulary. "
+               f"Pass --logp-vocab-size.")
+        log.warning(msg)
+        warnings.warn(msg, PaddingRowsWarning, stacklevel=3)
     return padded_vocab
+
+
+class PaddingRowsWarning(UserWarning):
+    """Padding rows of the output layer may enter the statistics (the real vocabulary size is unknown)."""
