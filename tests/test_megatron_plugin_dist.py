@@ -65,6 +65,7 @@ def _tp_checks(rank, res):
     res["tp2_logp"] = out.logp.detach().clone()
     res["fingerprint_tp2"] = mp.track_lm_head(wrapped).fingerprint
     res["fingerprint_tp1"] = fused_logp.weight_fingerprint(w_full, vocab_size=REAL)
+    _scoring_checks(wrapped, gpt, w_full, res)
 
     # whole model, untied: final hidden-state gradient (reduced exactly once) and the lm_head shard's gradient
     wrapped, gpt = ms.build_tiny_gpt(vocab_size=PADDED, tied=False, tp=2, seed=8)
@@ -102,6 +103,47 @@ def _tp_checks(rank, res):
     gh = gh.reshape(S, B, D)[rank * S // 2:(rank + 1) * S // 2]
     res["sp_hidden_grad_close"] = _close(h_local.grad, gh)
     mp.uninstall()
+
+
+def _scoring_checks(wrapped, gpt, w_full, res):
+    """The public scoring API at TP=2 (plugin off process-wide): the TP=1 op's bytes on the same hidden states,
+    for a temperature and for a truncating program; the fingerprint of the unsharded head attached."""
+    import fused_logp
+    from fused_logp import megatron_plugin as mp
+    from fused_logp.kernel.op import linear_logp_program
+    from fused_logp.kernel.transforms import TransformProgram
+
+    mp.configure(None)
+    tokens = ms.token_batch(B, S, REAL, seed=12)[0]
+    cap = ms.CaptureFinalHidden(gpt)
+    sc = mp.score(wrapped, tokens, temperature=T, vocab_size=REAL)
+    h = cap.value.detach()
+    prog = TransformProgram(temperature=T, top_k=300)
+    with torch.no_grad():
+        logits = gpt(tokens, torch.arange(S).expand(B, S), ms.causal_mask(B, S))       # [b, s, V/TP] shard
+    cap.remove()
+    full_logits = ms.gather_rows(logits.transpose(0, 2).contiguous(), parallel_state_tp()).transpose(0, 2)
+    targets = full_logits[..., :REAL].argmax(-1)
+    sp = mp.score(wrapped, tokens, targets, program=prog, vocab_size=REAL)
+    keep = sc.loss_mask.t().reshape(-1) != 0
+    ref = fused_logp.linear_logp(h.reshape(-1, D)[keep], w_full, sc.targets.t().reshape(-1)[keep], temperature=T,
+                                 vocab_size=REAL)
+    res["score_tp2_equal_tp1"] = (torch.equal(sc.logp.t().reshape(-1)[keep], ref.logp)
+                                  and torch.equal(sc.lse.t().reshape(-1)[keep], ref.lse))
+    refp = linear_logp_program(h.reshape(-1, D), w_full, targets.t().reshape(-1), prog, vocab_size=REAL)
+    res["score_program_tp2_equal_tp1"] = (torch.equal(sp.logp.t().reshape(-1), refp.logp)
+                                          and torch.equal(sp.lse.t().reshape(-1), refp.lse))
+    rows = h.reshape(-1, D)[keep]
+    sh = mp.score_hidden_states(wrapped, rows, sc.targets.t().reshape(-1)[keep], temperature=T, vocab_size=REAL)
+    res["score_hidden_tp2_equal_tp1"] = torch.equal(sh.logp, ref.logp) and torch.equal(sh.lse, ref.lse)
+    res["score_fingerprint_tp1"] = sc.fingerprint == fused_logp.weight_fingerprint(w_full, vocab_size=REAL)
+    res["score_logp"] = sc.logp.clone()
+    mp.configure("contract", temperature=T, vocab_size=REAL)
+
+
+def parallel_state_tp():
+    from megatron.core import parallel_state
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _cp_split(batch, cp_group):
@@ -180,6 +222,13 @@ def test_tp2_bytes_equal_tp1_op(results, key):
 
 def test_tp2_ranks_agree(results):
     assert torch.equal(results[0]["tp2_logp"], results[1]["tp2_logp"])
+    assert torch.equal(results[0]["score_logp"], results[1]["score_logp"])
+
+
+@pytest.mark.parametrize("key", ["score_tp2_equal_tp1", "score_program_tp2_equal_tp1", "score_hidden_tp2_equal_tp1",
+                                 "score_fingerprint_tp1"])
+def test_scoring_api_tp2_equals_tp1_bytes(results, key):
+    assert all(r[key] for r in results)
 
 
 @pytest.mark.parametrize("key", ["tp2_hidden_grad_close", "tp2_weight_grad_close", "tp2_padding_grad_zero",
