@@ -210,9 +210,33 @@ def _ordinary_logp(gpt, h_sbd, labels_bs, temperature, vocab):
     return (-loss).t().contiguous()
 
 
-def _settings(vocab, temperature):
-    from fused_logp.megatron_plugin import LogpSettings
-    return LogpSettings(backend="contract", temperature=float(temperature), vocab_size=vocab)
+def ordinary_logp(model, token_ids=None, *, hidden_states=None, targets=None, temperature: float = 1.0,
+                  vocab_size: int | None = None) -> torch.Tensor:
+    """Megatron's own path (output_layer logits, fp32, / T, vocab_parallel_cross_entropy over the real vocabulary):
+    logp [B, S-1] of the next tokens of token_ids [B, S] (the body runs unlabelled, so the plugin stays out), or
+    logp [N] of targets [N] after given final hidden rows [N, D]."""
+    from fused_logp import megatron_plugin as mp
+
+    gpt = mp.unwrap_gpt_model(model)
+    vocab = vocab_size or (getattr(gpt, _INFO_ATTR, None) or {}).get("vocab_size") or mp.get_settings().vocab_size
+    if hidden_states is not None:
+        h = torch.as_tensor(hidden_states)
+        with torch.no_grad():
+            return _ordinary_logp(gpt, h.unsqueeze(1), torch.as_tensor(targets).unsqueeze(0), temperature, vocab)[0]
+    token_ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    b, s = token_ids.shape
+    captured = {}
+    handle = gpt.decoder.register_forward_hook(
+        lambda m, a, out: captured.__setitem__("h", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            gpt(token_ids, torch.arange(s).expand(b, s), None)
+    finally:
+        handle.remove()
+    labels = torch.zeros_like(token_ids)
+    labels[:, :-1] = token_ids[:, 1:]
+    with torch.no_grad():
+        return _ordinary_logp(gpt, captured["h"], labels, temperature, vocab)[:, :-1].contiguous()
 
 
 def score_tokens(model, token_ids: torch.Tensor, *, temperature: float = 1.0, hidden_states=None,
@@ -220,12 +244,13 @@ def score_tokens(model, token_ids: torch.Tensor, *, temperature: float = 1.0, hi
     """Score token_ids [B, S] int64: for positions 0..S-2, the log-probability of token s+1.
 
     Returns (all on CPU, [B, S-1] unless noted):
-      logp_contract, lse_contract  fp32, from the Megatron plugin (`--logp-backend contract`: the contract op on
-                                   the final hidden states and the lm_head weight, real vocabulary only)
+      logp_contract, lse_contract  fp32, from the plugin's public scoring API (fused_logp.megatron_plugin.score /
+                                   score_hidden_states: the contract op on the final hidden states and the lm_head
+                                   weight, real vocabulary only)
       logp_ordinary                fp32, Megatron's output_layer logits + vocab_parallel_cross_entropy, fp32 logits
                                    divided by T before the loss (padded columns excluded)
       final_hidden                 bf16 [B, S, D]: the output layer's input (after the final norm)
-      targets                      int64, the scored ids; provenance: the op's provenance
+      targets                      int64, the scored ids; provenance: the op's provenance; fingerprint: the lm_head's
 
     With hidden_states given, the body is not run: the rows go through the same output layer and plugin path.
     They are the final hidden states of positions 0..S-2, as [B, S-1, D], [B*(S-1), D] (sequence-major) or
@@ -238,19 +263,12 @@ def score_tokens(model, token_ids: torch.Tensor, *, temperature: float = 1.0, hi
     vocab = info.get("vocab_size") or mp.get_settings().vocab_size
     if vocab is None:
         raise ValueError("the model was not built by build_megatron_qwen3 and no --logp-vocab-size is configured")
-    settings = _settings(vocab, temperature)
-    mp.enable(gpt, settings)                # per-model plugin settings; installs the hook (idempotent)
     token_ids = torch.as_tensor(token_ids, dtype=torch.int64)
     vocab_ord = vocab if ordinary_mask_padding else lm_head_weight(gpt).shape[0] * info.get("tp", 1)
 
     if hidden_states is None:
         if token_ids.dim() != 2 or token_ids.shape[1] < 2:
             raise ValueError(f"token_ids must be [B, S] with S >= 2; got {tuple(token_ids.shape)}")
-        b, s = token_ids.shape
-        labels = torch.zeros_like(token_ids)
-        labels[:, :-1] = token_ids[:, 1:]
-        loss_mask = torch.ones(b, s)
-        loss_mask[:, -1] = 0
         captured = {}
 
         def hook(module, args, output):
@@ -258,18 +276,15 @@ def score_tokens(model, token_ids: torch.Tensor, *, temperature: float = 1.0, hi
 
         handle = gpt.decoder.register_forward_hook(hook)
         try:
-            with torch.no_grad():
-                out = gpt(token_ids, torch.arange(s).expand(b, s), None, labels=labels, loss_mask=loss_mask)
+            sc = mp.score(gpt, token_ids, temperature=temperature, vocab_size=vocab)
         finally:
             handle.remove()
-        if not isinstance(out, mp.LogpOutput):
-            raise RuntimeError(f"the Megatron plugin did not run (got {type(out).__name__})")
         h = captured["h"]                                                  # [S, B, D] after the final norm
         with torch.no_grad():
-            ordinary = _ordinary_logp(gpt, h, labels, temperature, vocab_ord)
-        return dict(logp_contract=out.logp[:, :-1].contiguous(), lse_contract=out.lse[:, :-1].contiguous(),
+            ordinary = _ordinary_logp(gpt, h, sc.targets, temperature, vocab_ord)
+        return dict(logp_contract=sc.logp[:, :-1].contiguous(), lse_contract=sc.lse[:, :-1].contiguous(),
                     logp_ordinary=ordinary[:, :-1].contiguous(), final_hidden=h.transpose(0, 1).contiguous(),
-                    targets=token_ids[:, 1:].contiguous(), provenance=out.provenance)
+                    targets=token_ids[:, 1:].contiguous(), provenance=sc.provenance, fingerprint=sc.fingerprint)
 
     h = torch.as_tensor(hidden_states)
     if h.dtype != torch.bfloat16:
@@ -290,13 +305,11 @@ def score_tokens(model, token_ids: torch.Tensor, *, temperature: float = 1.0, hi
     if h3.shape[-1] != d:
         raise ValueError(f"hidden size {h3.shape[-1]} != the model's {d}")
     h_sbd = h3.transpose(0, 1).contiguous()                                # Megatron's [s, b, h] layout
-    w = lm_head_weight(gpt) if gpt.share_embeddings_and_output_weights else None
+    sc = mp.score_hidden_states(gpt, h_sbd, labels, temperature=temperature, vocab_size=vocab)
     with torch.no_grad():
-        out = mp.logp_output_processor(hidden_states=h_sbd, output_layer=gpt.output_layer, output_weight=w,
-                                       labels=labels, loss_mask=None, context=settings, config=gpt.config)
         ordinary = _ordinary_logp(gpt, h_sbd, labels, temperature, vocab_ord)
-    res = dict(logp_contract=out.logp, lse_contract=out.lse, logp_ordinary=ordinary, final_hidden=h3,
-               targets=labels, provenance=out.provenance)
+    res = dict(logp_contract=sc.logp, lse_contract=sc.lse, logp_ordinary=ordinary, final_hidden=h3,
+               targets=labels, provenance=sc.provenance, fingerprint=sc.fingerprint)
     if flat:
         res = {k: (v[0] if torch.is_tensor(v) else v) for k, v in res.items()}
     return res
@@ -313,4 +326,4 @@ def hf_logits(hf_dir, token_ids: torch.Tensor, *, dtype=torch.bfloat16) -> torch
 
 
 __all__ = ["build_megatron_qwen3", "convert_hf_qwen3", "ensure_model_parallel", "hf_logits", "lm_head_weight",
-           "megatron_logits", "padded_vocab_size", "qwen3_transformer_config", "score_tokens"]
+           "megatron_logits", "ordinary_logp", "padded_vocab_size", "qwen3_transformer_config", "score_tokens"]

@@ -5,7 +5,8 @@ running vLLM engine through vLLM's own `reload_weights`, repeat.
 Every step checks, over every generated token:
   - the logp half: the trainer's contract logp of the rollout's own hidden rows equals the recorded rollout
     logprob bit for bit (mismatches 0, max |dlogp| 0, K3 0);
-  - the lm_head fingerprint of the trainer equals the one the rollout engine reports, at the same weight version;
+  - the lm_head fingerprint of the trainer (recomputed at each check; content-addressed, so the weight versions
+    are labels only) equals the one the rollout engine reports, and the scoring API attaches that fingerprint;
 and reports beside them the end-to-end drift (the trainer's own body) and the ordinary paths (vLLM's own head
 and raw logprobs vs Megatron's vocab_parallel_cross_entropy) on the same tokens. Strict mode stops the loop at
 the first non-zero or fingerprint mismatch. The trainer updates the final norm and the lm_head (the tensors
@@ -46,7 +47,7 @@ def run_loop(out_dir="out/rl", *, steps: int = 5, strict: bool = True, stale_at:
     from fused_logp import megatron_plugin as mp
     from .agreement import _engine
     from .megatron_cpu import install
-    from .megatron_scoring import build_megatron_qwen3, score_tokens
+    from .megatron_scoring import build_megatron_qwen3, ordinary_logp
     from fused_logp.shared_contract.config import Config, set_config
     from fused_logp.shared_contract.errors import FingerprintMismatchError
     from .tiny_model import load_state_dict, make_tiny_qwen3
@@ -69,13 +70,12 @@ def run_loop(out_dir="out/rl", *, steps: int = 5, strict: bool = True, stale_at:
     tracker = mp.track_lm_head(gpt, opt, vocab_size=vocab)
     hf_state = load_state_dict(model_dir)
     vhead = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model().lm_head
-    mp.enable(gpt, mp.LogpSettings(backend="contract", temperature=TEMPERATURE, vocab_size=vocab))
 
     history, stopped = [], None
     bar = tqdm(range(steps), desc="rl", unit="step", disable=quiet)
     for step in bar:
         head = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
-        rollout_version = int(head["weight_version"].split(":")[0])
+        rollout_version = head["fingerprint_changes"]          # informational; the fingerprint is compared
         rec = {"step": step, "trainer_version": tracker.version, "rollout_version": rollout_version,
                "trainer_fingerprint": tracker.fingerprint, "rollout_fingerprint": head["fingerprint"]}
         rec["fingerprints_equal"] = tracker.fingerprint == head["fingerprint"]
@@ -90,37 +90,36 @@ def run_loop(out_dir="out/rl", *, steps: int = 5, strict: bool = True, stale_at:
             stopped = f"step {step}: {exc}"
             history.append(rec)
             break
-        by_seq = {}
-        for c in captured:
-            by_seq.setdefault(c["req_id"], []).append(c)
+        from fused_logp.vllm_plugin.status_rpc import same_request
         toks, hid, lp_roll = [], [], []
         for o in outs:
             t = list(o.outputs[0].token_ids)
-            rows = next(g for g in by_seq.values() if [c["ids"][0] for c in g] == t)
+            rows = [c for c in captured if same_request(c["req_id"], o.request_id)]
             toks.append(t)
             hid.append(torch.tensor([c["hidden"] for c in rows], dtype=torch.int16).view(torch.bfloat16))
             lp_roll.append([o.outputs[0].logprobs[i][tok].logprob for i, tok in enumerate(t)])
         flat_t = torch.tensor([x for t in toks for x in t])
         flat_h = torch.cat(hid)
         roll = np.asarray(lp_roll, dtype=np.float32).ravel()
-        # the logp half: the trainer scores the rollout's hidden rows
-        half = score_tokens(gpt, flat_t, temperature=TEMPERATURE, hidden_states=flat_h)
+        # the logp half: the trainer scores the rollout's hidden rows (the plugin's public scoring API)
+        half = mp.score_hidden_states(gpt, flat_h, flat_t, temperature=TEMPERATURE, vocab_size=vocab,
+                                      tracker=tracker)
+        rec["scored_fingerprint_equal"] = half.fingerprint == head["fingerprint"]
+        half_ord = ordinary_logp(gpt, hidden_states=flat_h, targets=flat_t, temperature=TEMPERATURE,
+                                 vocab_size=vocab)
         # the ordinary rollout path on the same rows: vLLM's own head GEMM and its sampler's raw logprobs
         with torch.no_grad():
             z = vhead.quant_method.apply(vhead, flat_h)[:, :vocab]
             ord_roll = Sampler.compute_logprobs(z).gather(1, flat_t[:, None]).squeeze(1).numpy()
-        # the trainer's own body, with gradients: GRPO-style policy gradient on the contract logp
+        # the trainer's own body, with gradients (the scoring API's with_grad): GRPO-style policy gradient
         full = torch.tensor([p + t for p, t in zip(prompts, toks)])
         b, s = full.shape
-        labels = torch.zeros_like(full)
-        labels[:, :-1] = full[:, 1:]
         gen = torch.zeros(b, s)
         gen[:, len(prompts[0]) - 1:s - 1] = 1.0                      # positions that predict generated tokens
         opt.zero_grad()
-        out = gpt(full, torch.arange(s).expand(b, s), None, labels=labels, loss_mask=gen)
+        out = mp.score(gpt, full, loss_mask=gen, temperature=TEMPERATURE, vocab_size=vocab, with_grad=True)
         own = out.logp[gen.bool()].detach().numpy()
-        with torch.no_grad():
-            own_ord = score_tokens(gpt, full, temperature=TEMPERATURE)["logp_ordinary"][gen[:, :-1].bool()].numpy()
+        own_ord = ordinary_logp(gpt, full, temperature=TEMPERATURE, vocab_size=vocab)[gen[:, :-1].bool()].numpy()
         rewards = torch.tensor([_reward(t) for t in toks]).view(len(PROMPTS), GROUP)
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
         loss = -(adv[:, None] * out.logp * gen).sum() / gen.sum()
@@ -128,9 +127,9 @@ def run_loop(out_dir="out/rl", *, steps: int = 5, strict: bool = True, stale_at:
         opt.step()
         rec.update({
             "reward": float(rewards.mean()), "loss": loss.item(),
-            "contract_half": compare(roll, half["logp_contract"].numpy()),
+            "contract_half": compare(roll, half.logp.numpy()),
             "contract_end_to_end": compare(roll, own),
-            "ordinary_half": compare(ord_roll, half["logp_ordinary"].numpy()),
+            "ordinary_half": compare(ord_roll, half_ord.numpy()),
             "ordinary_end_to_end": compare(ord_roll, own_ord),
         })
         history.append(rec)
