@@ -65,16 +65,28 @@ def device_backend(device):
 
 
 def select_backend(name: str, device, strict: bool):
-    """Return (backend, fallback_reason_or_None) for a request. Raises in strict mode on non-contract backends."""
+    """Return (backend, fallback_reason_or_None) for a request. Raises in strict mode on non-contract backends.
+
+    'auto' on CUDA inputs is the SM90 kernel or nothing: where it is unavailable (another GPU, no built
+    extension) the request is refused, in strict mode and outside it, because the contract's other backend, the
+    CPU oracle, would move every call to the host. The oracle runs for CUDA inputs only when asked for by name
+    (backend='oracle', YAML `backend: oracle`, FUSED_LOGP_BACKEND=oracle)."""
     if name == "auto":
         ok, why = _sm90_status(device)
         if ok:
             return get_backend("sm90"), None
         if device.type == "cuda":
-            reason = f"sm90 backend unavailable ({why}); the CPU oracle computes the same bytes, slowly"
-            log.warning("fused_logp: %s", reason)
-            return get_backend("oracle"), reason
+            msg = (f"backend 'auto' on CUDA inputs ({device}) needs the SM90 kernel, which is unavailable: {why}. "
+                   f"The contract's only other backend is the CPU oracle, which copies every call's rows and the "
+                   f"weight to the host and computes [N, V] logits in float64 there (far too slow for training "
+                   f"or serving); it is not chosen silently. To run it anyway ask for it by name: backend='oracle' "
+                   f"(YAML `backend: oracle`, FUSED_LOGP_BACKEND=oracle)"
+                   + ("" if strict else "; or backend='torch' (GPU, not contract-bearing) outside strict mode"))
+            raise (StrictModeError if strict else BackendUnavailableError)(msg)
         return get_backend("oracle"), None
+    if name == "oracle" and getattr(device, "type", None) == "cuda":
+        log.warning("fused_logp: backend 'oracle' requested for CUDA inputs (%s): the op runs on the CPU "
+                    "(contract bytes, host speed)", device)
     backend = get_backend(name)
     if strict and not backend.contract_bearing:
         raise StrictModeError(f"backend {name!r} does not carry the contract; strict mode accepts only "
