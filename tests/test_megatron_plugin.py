@@ -470,3 +470,99 @@ def test_fingerprint_with_megatron_style_step(untied):
     _, gpt = untied
     mp.configure("contract", vocab_size=REAL)
     ms.check_megatron_style_step(gpt)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# setup: the real vocabulary and the refusals, each naming the Megatron flag
+# ---------------------------------------------------------------------------------------------------------
+
+def _args(*flags, **megatron):
+    """Parsed arguments as Megatron-LM has them after initialize_megatron (its fields set directly)."""
+    args = mp.add_logp_args(argparse.ArgumentParser(allow_abbrev=False)).parse_args(list(flags))
+    for k, v in dict(dict(padded_vocab_size=PADDED, tensor_model_parallel_size=1), **megatron).items():
+        setattr(args, k, v)
+    return args
+
+
+def test_real_vocab_from_the_tokenizer_and_null_tokenizer():
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    tok = NullTokenizer(REAL - 1)                       # ids 0..REAL-2 and EOD = REAL-1: REAL ids in all
+    assert tok.vocab_size == REAL and tok.eod == REAL - 1
+    s = mp.setup_from_args(_args("--logp-backend", "contract"), tokenizer=tok)
+    assert s.vocab_size == REAL
+    assert mp.real_vocab_from_args(_args(), tokenizer=tok)[1].startswith("the tokenizer")
+    # without a tokenizer object: --vocab-size of a NullTokenizer run excludes its EOD id
+    args = _args("--logp-backend", "contract", vocab_size=REAL - 1, tokenizer_type="NullTokenizer")
+    assert mp.setup_from_args(args).vocab_size == REAL
+    assert mp.setup_from_args(_args("--logp-backend", "contract", vocab_size=REAL)).vocab_size == REAL
+    # --logp-vocab-size wins over both
+    args = _args("--logp-backend", "contract", "--logp-vocab-size", "400", vocab_size=REAL - 1,
+                 tokenizer_type="NullTokenizer")
+    assert mp.setup_from_args(args, tokenizer=tok).vocab_size == 400
+
+
+def test_null_tokenizer_eod_label_accepted(untied):
+    """The EOD id of a NullTokenizer (== --vocab-size) is a real label, not refused as padding."""
+    wrapped, _ = untied
+    mp.setup_from_args(_args("--logp-backend", "contract", vocab_size=REAL - 1, tokenizer_type="NullTokenizer"))
+    ids, pos, mask, labels = ms.batch(B, S, REAL)
+    labels[0, 2] = REAL - 1
+    with torch.no_grad():
+        out = wrapped(ids, pos, mask, labels=labels)
+    assert bool(torch.isfinite(out.logp).all())
+
+
+def test_padding_rows_warn_outside_strict(untied):
+    from fused_logp.megatron_plugin import settings as mps
+
+    mps._warned_padding.clear()
+    with pytest.warns(mp.PaddingRowsWarning, match="padding"):
+        mp.setup_from_args(_args("--logp-backend", "contract"))                   # no vocabulary anywhere
+    mps._warned_padding.clear()
+    wrapped, _ = untied
+    ids, pos, mask, labels = ms.batch(B, S, REAL)
+    with pytest.warns(mp.PaddingRowsWarning, match="--logp-vocab-size"), torch.no_grad():
+        wrapped(ids, pos, mask, labels=labels)
+
+
+@pytest.mark.parametrize("megatron, flag", [
+    ({"mtp_num_layers": 1}, "--mtp-num-layers"),
+    ({"defer_embedding_wgrad_compute": True}, "--defer-embedding-wgrad-compute"),
+    ({"padded_vocab_size": 480, "logp_vocab_size": 500}, "--logp-vocab-size"),
+    ({"padded_vocab_size": 192, "tensor_model_parallel_size": 2, "make_vocab_size_divisible_by": 48},
+     "--make-vocab-size-divisible-by"),
+])
+def test_setup_refusals_name_the_flag(megatron, flag):
+    args = _args("--logp-backend", "contract", "--logp-vocab-size", "100", **megatron)
+    with pytest.raises(ContractInputError, match=flag):
+        mp.setup_from_args(args)
+    assert not mp.is_installed()
+
+
+def test_strict_config_without_the_plugin_refused_at_setup(tmp_path):
+    set_config(Config(strict=True, source="FUSED_LOGP_STRICT"))
+    with pytest.raises(StrictModeError, match="--logp-backend contract"):
+        mp.setup_from_args(_args())
+    with pytest.raises(ContractInputError, match="--logp-vocab-size"):
+        mp.setup_from_args(_args("--logp-backend", "contract"))                  # strict: no guessing
+    s = mp.setup_from_args(_args("--logp-backend", "contract", "--logp-vocab-size", str(REAL)))
+    assert s.enabled and s.vocab_size == REAL
+
+
+def test_check_model_at_setup(untied):
+    wrapped, gpt = untied
+    mp.configure("contract", vocab_size=REAL)
+    mp.check_model([wrapped])
+    mp.configure("contract", vocab_size=PADDED + 1)
+    with pytest.raises(ContractInputError, match="exceeds"):
+        mp.check_model(wrapped)
+    mp.configure("contract", vocab_size=REAL)
+    saved = gpt.config
+    gpt.config = copy.copy(saved)
+    gpt.config.mtp_num_layers = 1
+    try:
+        with pytest.raises(mp.UnsupportedMegatronConfigError, match="multi-token"):
+            mp.check_model(wrapped)
+    finally:
+        gpt.config = saved

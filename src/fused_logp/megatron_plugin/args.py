@@ -85,6 +85,20 @@ def _flag_refusal(what, flag, why):
                                          f"{flag}, or run without --logp-backend")
 
 
+def _check_backend_here(settings: LogpSettings, strict: bool) -> None:
+    """On a CUDA machine the contract backend must be the SM90 kernel (or the oracle by name): refused at setup,
+    not at the first forward."""
+    import torch
+
+    if settings.backend != "contract" or not torch.cuda.is_available():
+        return
+    from ..kernel.backends import select_backend
+    try:
+        select_backend(settings.op_backend(), torch.device("cuda", torch.cuda.current_device()), strict)
+    except Exception as exc:
+        raise type(exc)(f"--logp-backend contract on this GPU: {exc}") from exc
+
+
 def check_args(args, settings: LogpSettings, vocab_source=None) -> None:
     """Every configuration refusal the arguments already decide, at setup (before a model is built), each
     naming the Megatron flag to change."""
@@ -95,6 +109,7 @@ def check_args(args, settings: LogpSettings, vocab_source=None) -> None:
                                   f"ordinary output layer and cross-entropy would run: pass --logp-backend contract "
                                   f"(or unset strict mode)")
         return
+    _check_backend_here(settings, cfg.strict)
     if getattr(args, "mtp_num_layers", None):
         _flag_refusal("multi-token prediction", "--mtp-num-layers",
                       "its heads call output_layer and compute_language_model_loss outside the contract op")
