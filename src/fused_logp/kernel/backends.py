@@ -1,8 +1,9 @@
 """The backends and the one door to them. Strict mode selects contract-bearing backends only; everything else raises.
 
-  sm90    the fused wgmma kernel (contract-bearing; CUDA, compute capability 9.0)
-  oracle  the CPU oracle (contract-bearing; any device, computes on the CPU)
-  torch   fp32 matmul + log_softmax (NOT contract-bearing; refused in strict mode)
+  sm90         the fused wgmma kernel (contract-bearing; CUDA, compute capability 9.0)
+  oracle       the CPU oracle, numpy (contract-bearing; any device, computes on the CPU): the readable reference
+  oracle-fast  the same bytes compiled (kernel/cpu, C++/AVX-512, threads); needs a C++ compiler and ninja
+  torch        fp32 matmul + log_softmax (NOT contract-bearing; refused in strict mode)
 
 Every backend has `name`, `contract_bearing`, `available(device=None) -> (ok, why)`, `describe()` and the
 contract entries `linear_logp`, `shard_stats`, `merge_stats(tile_max, tile_sum, target_logit) -> (logp, lse)`
@@ -26,6 +27,7 @@ log = logging.getLogger("fused_logp")
 _BACKENDS = {
     "sm90": "fused_logp.kernel.sm90:SM90Backend",
     "oracle": "fused_logp.kernel.oracle:OracleBackend",
+    "oracle-fast": "fused_logp.kernel.oracle_fast:OracleFastBackend",
     "torch": "fused_logp.kernel.torch_backend:TorchBackend",
 }
 _instances: dict = {}
@@ -84,8 +86,8 @@ def select_backend(name: str, device, strict: bool):
                    + ("" if strict else "; or backend='torch' (GPU, not contract-bearing) outside strict mode"))
             raise (StrictModeError if strict else BackendUnavailableError)(msg)
         return get_backend("oracle"), None
-    if name == "oracle" and getattr(device, "type", None) == "cuda":
-        log.warning("fused_logp: backend 'oracle' requested for CUDA inputs (%s): the op runs on the CPU "
+    if name in ("oracle", "oracle-fast") and getattr(device, "type", None) == "cuda":
+        log.warning(f"fused_logp: backend {name!r} requested for CUDA inputs (%s): the op runs on the CPU "
                     "(contract bytes, host speed)", device)
     backend = get_backend(name)
     if strict and not backend.contract_bearing:

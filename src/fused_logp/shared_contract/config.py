@@ -17,7 +17,7 @@ from .constants import check_no_overrides
 
 log = logging.getLogger("fused_logp")
 
-BACKEND_CHOICES = ("auto", "sm90", "oracle", "torch")
+BACKEND_CHOICES = ("auto", "sm90", "oracle", "oracle-fast", "torch")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,253 @@
+"""The compiled CPU oracle (`oracle-fast`): contract v1 on the CPU with exactly the bytes of kernel/oracle.py.
+
+Why C++ through torch's extension builder (kernel/cpu/oracle_cpu.cpp), and not numba or a numpy rewrite:
+the GEMM rule is integer work on bit fields (a product of two 8-bit bf16 significands is a 16-bit integer,
+shifted by a per-lane exponent difference and truncated; 16 of them fit int32, the accumulator's term
+needs int64). What makes it fast is explicit AVX-512 lane work (variable shifts, a three-way XOR for the
+signs, a popcount for the negative-term correction, int64 -> float64 conversion for the normalisation) over 16
+output columns at a time, which a JIT compiler does not emit from loops reliably. torch.utils.cpp_extension is
+already how the project builds its SM90 kernel, needs no new dependency beyond a C++ compiler and ninja, and
+at::parallel_for uses torch's own OpenMP pool (torch.set_num_threads applies). The numpy oracle stays the
+readable reference; tests compare the two byte for byte on every input class at test time.
+
+Bytes do not depend on the build: the integer GEMM is exact on any instruction set (a portable scalar path
+computes the same function where AVX-512 is absent; tests compare both), and every float operation of the
+statistics is one IEEE binary32 operation: the build uses -ffp-contract=off and no fast-math, so nothing is
+fused or reassociated. The contract constants are passed as -D definitions generated from
+shared_contract/constants.py and read back after the build (a mismatch makes the backend unavailable).
+
+Batch invariance: a logit depends on its (row, column) pair only, a tile statistic on its (row, tile), the merge
+on its row; how rows and columns are split over threads changes no bit.
+
+The build is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); it is compiled with
+-march=native, so the extension's name carries a digest of the CPU's feature flags (a cache shared by
+different CPUs never loads a build for another instruction set). Building needs g++ and ninja: without them
+`available()` says why and every entry raises; `auto` then uses the numpy oracle and says so in provenance.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..shared_contract import constants as C
+
+_SRC = Path(__file__).resolve().parent / "cpu" / "oracle_cpu.cpp"
+_TILE = C.VOCAB_TILE
+# Rows per GEMM call in linear_logp: bounds the FP32 logits held at once ([rows, V]; 64 x 151936 x 4 B = 39 MB).
+ROWS_PER_CALL = 64
+
+# The group's alignment floor and the NaN a logit is written as (CONTRACT.md section 2). A contract text without
+# them is the rule where c = 0 enters with exponent -126 (the same as a floor of -126), NaN unspecified.
+_ALIGN_EXP_FLOOR = getattr(C, "ALIGN_EXP_FLOOR", -126)
+_GEMM_NAN_BITS = getattr(C, "GEMM_NAN_BITS", 0x7FC00000)
+
+_lock = threading.Lock()
+_ext = None
+_ext_error: str | None = None
+
+
+def _defines() -> list[tuple[str, int]]:
+    """The contract constants compiled into the extension, in the order contract_constants() returns them."""
+    exp_c = dict(zip(("C2", "C3", "C4", "C5", "C6", "C7"), C.EXP_POLY))
+    return ([("VOCAB_TILE", C.VOCAB_TILE), ("K_GROUP", C.K_GROUP), ("ALIGN_FRAC_BITS", C.ALIGN_FRAC_BITS),
+             ("ACC_BITS", C.ACC_SIGNIFICAND_BITS), ("ALIGN_EXP_FLOOR", _ALIGN_EXP_FLOOR),
+             ("GEMM_NAN_BITS", _GEMM_NAN_BITS), ("EXP_LOG2E", C.EXP_LOG2E), ("EXP_SHIFTER", C.EXP_SHIFTER),
+             ("EXP_LN2_HI", C.EXP_LN2_HI), ("EXP_LN2_LO", C.EXP_LN2_LO)]
+            + [(f"EXP_{k}", v) for k, v in exp_c.items()]
+            + [("EXP_X_MAX", C.EXP_X_MAX), ("EXP_X_MIN", C.EXP_X_MIN),
+               # the split point of log's mantissa: sqrt(2) = sqrt(1/2) with the exponent field one higher
+               ("LOG_SQRT2_BITS", C.LOG_SQRT_HALF_BITS + 0x00800000),
+               ("LOG_LN2_HI", C.LOG_LN2_HI), ("LOG_LN2_LO", C.LOG_LN2_LO)]
+            + [(f"LOG_Q{i}", v) for i, v in enumerate(C.LOG_POLY)])
+
+
+def _cpu_digest() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        flags = os.uname().machine
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def toolchain_problem() -> str | None:
+    """None when a C++ compiler and ninja are reachable, else what is missing (and how to get it)."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        return (f"no C++ compiler ({cxx!r} or g++) on PATH: install one (Debian/Ubuntu: apt-get install g++) "
+                f"to build the compiled CPU oracle")
+    if shutil.which("ninja") is None:
+        return "ninja is not on PATH (it comes with this package's dependencies: pip install ninja)"
+    return None
+
+
+def _build():
+    global _ext, _ext_error
+    with _lock:
+        if _ext is not None or _ext_error is not None:
+            return
+        # ninja installed into this interpreter's environment is found even when the venv is not activated
+        bindir = os.path.dirname(sys.executable)
+        if shutil.which("ninja") is None and os.path.exists(os.path.join(bindir, "ninja")):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        problem = toolchain_problem()
+        if problem:
+            _ext_error = problem
+            return
+        try:
+            from torch.utils.cpp_extension import load
+
+            defines = [f"-DFL_{k}={v:#x}" if k.startswith(("EXP", "LOG", "GEMM")) else f"-DFL_{k}={v}"
+                       for k, v in _defines()]
+            ext = load(
+                name=f"fused_logp_oracle_cpu_{_cpu_digest()}",
+                sources=[str(_SRC)],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", *defines],
+                extra_ldflags=["-fopenmp"],
+                verbose=bool(os.environ.get("FUSED_LOGP_BUILD_VERBOSE")),
+            )
+        except Exception as exc:  # the reason is reported by available()
+            _ext_error = f"building the compiled CPU oracle failed: {type(exc).__name__}: {exc}"
+            return
+        got = [int(v) for v in ext.contract_constants()]
+        want = [v for _, v in _defines()]
+        if got != want:
+            _ext_error = (f"the compiled CPU oracle's contract constants differ from shared_contract/constants.py "
+                          f"({C.CONTRACT_VERSION}): {got} != {want}")
+            return
+        _ext = ext
+
+
+def extension():
+    """The built extension (builds on first use); raises BackendUnavailableError with the reason otherwise."""
+    _build()
+    if _ext is None:
+        from ..shared_contract.errors import BackendUnavailableError
+        raise BackendUnavailableError(_ext_error or "the compiled CPU oracle is not built")
+    return _ext
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu()
+
+
+class OracleFastBackend:
+    """Contract v1 on the CPU, compiled (kernel/cpu/oracle_cpu.cpp). Same entries and bytes as OracleBackend."""
+
+    name = "oracle-fast"
+    contract_bearing = True
+    multi_target = True          # stats_from_logits takes targets [N] or [N, C]
+
+    def __init__(self):
+        self.force_scalar = False          # the portable path on any machine (tests compare both paths)
+
+    def available(self, device=None):
+        _build()
+        if _ext is None:
+            return False, _ext_error or "not built"
+        return True, f"built ({_ext.vector_isa()})"
+
+    def describe(self) -> dict:
+        isa = _ext.vector_isa() if _ext is not None else "unbuilt"
+        return {"arch": "cpu", "compute_capability": "none", "toolkit": f"torch {torch.__version__} cpu",
+                "build": f"c++ {isa}{' (scalar forced)' if self.force_scalar else ''}"}
+
+    # --- pieces ------------------------------------------------------------------------------------------
+
+    def logits(self, hidden, weight, n_real, bias=None) -> torch.Tensor:
+        """Unscaled logits [N, n_real] fp32 (plus bias) under the Hopper k16 rule."""
+        z = extension().hopper_logits(_cpu(hidden).contiguous(), _cpu(weight).contiguous(), int(n_real),
+                                      bool(self.force_scalar))
+        if bias is not None:
+            z = (z + _cpu(bias)[:n_real].to(torch.float32)[None, :]).to(torch.float32)
+        return z
+
+    def _stats(self, z, temp, n_real, targets_rel):
+        """(tile_max, tile_sum, target_logit, owned) of logits z [N, >= n_real] for targets relative to column 0."""
+        ext = extension()
+        tmax, tsum = ext.tile_stats(z, temp, int(n_real))
+        n = z.shape[0]
+        owned = (targets_rel >= 0) & (targets_rel < n_real)
+        if n_real > 0:
+            idx = targets_rel.clamp(0, n_real - 1)
+            picked = z.gather(1, idx.reshape(n, -1)).reshape(idx.shape)
+            tdiv = temp if targets_rel.dim() == 1 else temp[:, None]
+            tlogit = torch.where(owned, picked / tdiv, torch.tensor(float("-inf")))
+        else:
+            tlogit = torch.full(targets_rel.shape, float("-inf"))
+        return tmax, tsum, tlogit.to(torch.float32), owned
+
+    # --- backend entries (the interface of OracleBackend) ------------------------------------------------
+
+    def shard_stats(self, hidden, weight_shard, targets, *, vocab_start, vocab_size, bias, temperature,
+                    return_logits):
+        dev = hidden.device
+        n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
+        z = self.logits(hidden, weight_shard, n_real, bias)
+        temp = _cpu(temperature).to(torch.float32).contiguous()
+        tgt = _cpu(targets).to(torch.int64) - vocab_start
+        tmax, tsum, tlogit, owned = self._stats(z, temp, n_real, tgt)
+        return {
+            "tile_max": tmax.to(dev),
+            "tile_sum": tsum.to(dev),
+            "target_logit": tlogit.to(dev),
+            "target_owned": owned.to(dev),
+            "tile_offset": vocab_start // _TILE,
+            "logits": z.to(dev) if return_logits else None,
+        }
+
+    def merge_stats(self, tile_max, tile_sum, target_logit):
+        dev = tile_max.device
+        logp, lse = extension().merge(_cpu(tile_max).to(torch.float32), _cpu(tile_sum).to(torch.float32),
+                                      _cpu(target_logit).to(torch.float32))
+        return logp.to(dev), lse.to(dev)
+
+    def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):
+        """Rows in chunks of ROWS_PER_CALL (bounded FP32 logits memory); every row's bytes are its own."""
+        dev = hidden.device
+        n = hidden.shape[0]
+        if return_logits or n <= ROWS_PER_CALL:
+            st = self.shard_stats(hidden, weight, targets, vocab_start=0, vocab_size=vocab_size, bias=bias,
+                                  temperature=temperature, return_logits=return_logits)
+            logp, lse = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
+            return logp, lse, st["logits"]
+        logps, lses = [], []
+        for r0 in range(0, n, ROWS_PER_CALL):
+            sl = slice(r0, r0 + ROWS_PER_CALL)
+            st = self.shard_stats(hidden[sl], weight, targets[sl], vocab_start=0, vocab_size=vocab_size, bias=bias,
+                                  temperature=temperature[sl], return_logits=False)
+            lp, ls = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
+            logps.append(lp)
+            lses.append(ls)
+        return torch.cat(logps), torch.cat(lses), None
+
+    def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
+        dev = logits.device
+        z = _cpu(logits).to(torch.float32)
+        if z.stride(-1) != 1:
+            z = z.contiguous()
+        temp = _cpu(temperature).to(torch.float32).contiguous()
+        tmax, tsum, tlogit, _ = self._stats(z, temp, vocab_size, _cpu(targets).to(torch.int64))
+        logp, lse = extension().merge(tmax, tsum, tlogit)
+        return logp.to(dev), lse.to(dev)
+
+
+def contract_exp(x: np.ndarray) -> np.ndarray:
+    """The compiled contract exp on a binary32 array (tests compare it with transcendentals.contract_exp)."""
+    return extension().contract_exp(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
+
+
+def contract_log(x: np.ndarray) -> np.ndarray:
+    """The compiled contract log on a binary32 array (tests compare it with transcendentals.contract_log)."""
+    return extension().contract_log(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
