@@ -289,3 +289,87 @@ def test_property_fast_equals_numpy_oracle(prob):
     b = linear_logp(h, w, t, temperature=temp, return_logits=True, backend="oracle-fast")
     assert not _logit_mismatches(b.logits, a.logits).any()
     assert same_bytes(b.logp, a.logp) and same_bytes(b.lse, a.lse)
+
+
+# --- the audit command ----------------------------------------------------------------------------------------
+
+def _rollout(gen, n=11, d=64, v=300):
+    from fused_logp.kernel.transforms import TransformProgram, program_logp_from_logits
+    h = torch.randn(n, d, generator=gen).bfloat16()
+    w = (torch.randn(v + 20, d, generator=gen) * 0.3).bfloat16()            # 20 padding rows
+    temp = torch.rand(n, generator=gen) + 0.5
+    res = linear_logp(h, w, torch.zeros(n, dtype=torch.int64), temperature=temp, vocab_size=v, return_logits=True,
+                      backend="oracle")
+    t = torch.argmax(res.logits, dim=1)                                     # a likely token: kept by any program
+    base = linear_logp(h, w, t, temperature=temp, vocab_size=v, backend="oracle")
+    logp = base.logp.clone()
+    top_k = torch.zeros(n, dtype=torch.int64)
+    top_p = torch.ones(n)
+    for r, (k, p) in {2: (5, 1.0), 3: (0, 0.9), 7: (40, 0.8)}.items():
+        top_k[r], top_p[r] = k, p
+        prog = TransformProgram(temperature=float(temp[r]), top_k=k or None, top_p=p if p < 1 else None)
+        lp, _, _ = program_logp_from_logits(res.logits[r:r + 1], t[r:r + 1], prog, vocab_size=v)
+        logp[r] = lp[0]
+    return h, w, t, temp, logp, base.lse, top_k, top_p, v
+
+
+def test_audit_tensor_capture_passes_and_reports_a_flipped_bit(gen, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from fused_logp.audit import write_capture
+    from fused_logp.cli import main
+    h, w, t, temp, logp, lse, top_k, top_p, v = _rollout(gen)
+    save_file({"lm_head.weight": w, "model.norm.weight": torch.ones(w.shape[1]).bfloat16()}, str(tmp_path / "w.safetensors"))
+    cap = tmp_path / "cap.pt"
+    write_capture(cap, hidden=h, targets=t, logp=logp, temperature=temp, lse=lse, top_k=top_k, top_p=top_p, vocab_size=v)
+    out = tmp_path / "rep.json"
+    assert main(["audit", str(cap), "--weight", str(tmp_path / "w.safetensors"), "--rows-per-batch", "4",
+                 "--out", str(out)]) == 0
+    import json
+    rep = json.loads(out.read_text())
+    assert rep["ok"] and rep["rows"] == 11 and rep["values_checked"] == 11 and rep["program_rows"] == 3
+    assert rep["rows_per_s"] > 0 and rep["provenance"]["backend"] == "oracle-fast"
+    assert "rows/s" in capsys.readouterr().out
+    bad = logp.clone()
+    bad[6] = torch.tensor(bad[6].view(torch.int32).item() ^ 1, dtype=torch.int32).view(torch.float32)   # one ulp
+    write_capture(cap, hidden=h, targets=t, logp=bad, temperature=temp, lse=lse, top_k=top_k, top_p=top_p,
+                  vocab_size=v)
+    assert main(["audit", str(cap), "--weight", str(tmp_path / "w.safetensors"), "--out", str(out),
+                 "--no-progress"]) == 1
+    rep = json.loads(out.read_text())
+    assert rep["logp_mismatches"] == 1 and rep["first_mismatches"][0]["row"] == 6
+
+
+def test_audit_reads_the_plugin_capture_and_skips_padding_columns(gen, tmp_path):
+    import json
+
+    from fused_logp.audit import main
+    h, w, t, temp, logp, lse, _, _, v = _rollout(gen)
+    ids = torch.stack([t, torch.randint(0, v, (11,), generator=gen)], dim=1)
+    lp = logp_from_logits(linear_logp(h, w, t, temperature=temp, vocab_size=v, return_logits=True).logits, ids,
+                          temperature=temp, backend="oracle").logp
+    recs = []
+    for r in range(11):
+        vals = [float(x) for x in lp[r]]
+        recs.append({"kind": "sample", "req_id": f"r{r}", "hidden": h[r].view(torch.int16).tolist(),
+                     "temperature": float(temp[r]), "ids": ids[r].tolist() + [0],
+                     "logprobs": vals + ["-inf"], "program": None})
+    (tmp_path / "cap.jsonl").write_text("\n".join(json.dumps(x) for x in recs) + "\n")
+    torch.save({"weight": w}, tmp_path / "head.pt")
+    out = tmp_path / "rep.json"
+    assert main([str(tmp_path / "cap.jsonl"), "--weight", str(tmp_path / "head.pt"), "--vocab-size", str(v),
+                 "--out", str(out), "--no-progress"]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["values_checked"] == 22 and rep["values_skipped_padding"] == 11
+
+
+def test_audit_refuses_unusable_inputs_with_a_message(tmp_path, capsys):
+    from fused_logp.audit import main
+    torch.save({"hidden": torch.randn(2, 16).bfloat16(), "targets": torch.tensor([1, 2])}, tmp_path / "cap.pt")
+    torch.save({"w": torch.randn(40, 16)}, tmp_path / "w.pt")                    # no logp; fp32 weight
+    assert main([str(tmp_path / "cap.pt"), "--weight", str(tmp_path / "w.pt"), "--no-progress"]) == 2
+    assert "'logp'" in capsys.readouterr().err
+    torch.save({"hidden": torch.randn(2, 16).bfloat16(), "targets": torch.tensor([1, 2]),
+                "logp": torch.zeros(2)}, tmp_path / "cap.pt")
+    assert main([str(tmp_path / "cap.pt"), "--weight", str(tmp_path / "w.pt"), "--no-progress"]) == 2
+    assert "bfloat16" in capsys.readouterr().err

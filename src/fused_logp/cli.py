@@ -1,4 +1,5 @@
-"""The `fused-logp` command. The library's own subcommand is `golden`; `demo`, `agreement`, `rl` and `ladder`
+"""The `fused-logp` command. The library's own subcommands are `golden` and `audit` (recompute recorded logprobs
+on a CPU, fused_logp.audit); `demo`, `agreement`, `rl` and `ladder`
 are jobs of the harness (src/fused_logp_jobs), which runs from a source checkout and is not part of the wheel."""
 from __future__ import annotations
 
@@ -28,11 +29,15 @@ def main(argv=None) -> int:
     if cmd == "golden":
         argv.remove("golden")
         return _golden(argv)
+    if cmd == "audit":
+        from .audit import main as audit_main
+        argv.remove("audit")
+        return audit_main(argv)
     try:
         from fused_logp_jobs.cli import main as jobs_main
     except ImportError:
         print(f"fused-logp: {' / '.join(JOBS)} are jobs of the source checkout (src/fused_logp_jobs), which is not "
-              "installed here; run `make demo` in a checkout. This installation has: fused-logp golden",
+              "installed here; run `make demo` in a checkout. This installation has: fused-logp golden, fused-logp audit",
               file=sys.stderr)
         return 2
     return jobs_main(argv)
