@@ -31,6 +31,11 @@ N_SPLIT_POLICY = "ceil(V_real/64) global tiles; CTA split of tiles is free"
 ALIGN_FRAC_BITS = 25
 # Significand bits of the FP32 accumulator (truncation toward zero after each k16 group).
 ACC_SIGNIFICAND_BITS = 24
+# The alignment exponent emax of one k16 group is never below this (a zero accumulator takes no part; 2^-133 is
+# the smallest bf16 subnormal). Measured on the H200 (CONTRACT.md section 2, erratum of 2026-12-01).
+ALIGN_EXP_FLOOR = -133
+# The NaN the tensor core writes into a logit (binary32 bits). NaN payloads of lse/logp are not part of the contract.
+GEMM_NAN_BITS = 0x7FFFFFFF
 # Weight fingerprint construction id (a change detector, not a cryptographic commitment).
 FINGERPRINT_ID = "rowhash-sum-mod2^64x2-v1"
 # The sampling-transform program (temperature -> top-k -> top-p -> min-p), versioned like the contract.
@@ -84,6 +89,8 @@ _ALL = {
     "N_SPLIT_POLICY": N_SPLIT_POLICY,
     "ALIGN_FRAC_BITS": ALIGN_FRAC_BITS,
     "ACC_SIGNIFICAND_BITS": ACC_SIGNIFICAND_BITS,
+    "ALIGN_EXP_FLOOR": ALIGN_EXP_FLOOR,
+    "GEMM_NAN_BITS": GEMM_NAN_BITS,
     "FINGERPRINT_ID": FINGERPRINT_ID,
     "TRANSFORM_PROGRAM_VERSION": TRANSFORM_PROGRAM_VERSION,
 }
