@@ -17,6 +17,7 @@ z / T) gets NaN logp and lse; the other rows are unaffected.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Sequence
 
@@ -85,7 +86,9 @@ def _check_vocab(vocab_size, rows, sharded=False):
         raise ContractInputError(f"vocab_size must be in [1, {rows}] (the weight's rows); got {vocab_size}")
 
 
-def _check_targets(targets, n, vocab_size, device, columns=False):
+def _check_targets(targets, n, vocab_size, device, columns=False, host_check=False):
+    """-> (targets int64, invalid-row mask [N] bool on the device or None). On the CPU, or with host_check,
+    an id outside [0, vocab_size) is refused here; on a device the row is invalid (section 0.1)."""
     dims = (1, 2) if columns else (1,)
     if not isinstance(targets, torch.Tensor) or targets.dim() not in dims or targets.shape[0] != n:
         what = "a 1-D integer tensor [N] or a 2-D one [N, C]" if columns else "a 1-D integer tensor"
@@ -98,19 +101,26 @@ def _check_targets(targets, n, vocab_size, device, columns=False):
     if targets.device != device:
         raise ContractInputError(f"targets must be on {device}; got {targets.device}")
     if n == 0:
-        return targets.to(torch.int64)
+        return targets.to(torch.int64), None
     ok = (targets >= 0) & (targets < vocab_size)
-    if device.type == "cpu":
+    if device.type == "cpu" or host_check:
         if not bool(ok.all()):
             bad = targets[~ok][0].item()
             raise ContractInputError(f"targets must lie in the real vocabulary [0, {vocab_size}); got {bad}")
-    else:   # no host synchronisation: an asynchronous device-side assertion
-        torch._assert_async(ok.all(), f"targets must lie in the real vocabulary [0, {vocab_size})")
-    return targets.to(torch.int64).contiguous()
+        return targets.to(torch.int64).contiguous(), None
+    # On a device: no host synchronisation and no device-side assertion (it would end the process or poison the
+    # CUDA context). An invalid row's target becomes the safe id 0 before any launch; the row is reported
+    # (CONTRACT.md section 0.1, _row_guard) and its logp and lse become NaN.
+    bad = ~ok if ok.dim() == 1 else ~ok.all(dim=1)
+    safe = torch.where(ok, targets, torch.zeros((), dtype=targets.dtype, device=device))
+    return safe.to(torch.int64).contiguous(), bad
 
 
 def _temperature_tensor(temperature, n, device):
-    """Temperature as an FP32 tensor [N] (a Python number is rounded to binary32 once)."""
+    """-> (temperature as an FP32 tensor [N], invalid-row mask [N] bool on the device or None). A Python number
+    is rounded to binary32 once. A value already on the host (a number, a CPU tensor) is checked and refused
+    here; a tensor on a device is checked there: an invalid row's temperature becomes 1 before any launch and
+    the row is reported (CONTRACT.md section 0.1, _row_guard)."""
     if isinstance(temperature, torch.Tensor):
         if temperature.dim() == 0:
             temperature = temperature.reshape(1).expand(n)
@@ -119,15 +129,17 @@ def _temperature_tensor(temperature, n, device):
                                      f"{tuple(temperature.shape)}")
         if not temperature.is_floating_point():
             raise ContractInputError(f"temperature must be a floating tensor; got {temperature.dtype}")
-        t = temperature.to(device=device, dtype=torch.float32).contiguous()
+        on_host = temperature.device.type == "cpu"
+        t = temperature.to(dtype=torch.float32) if on_host else temperature.to(device=device, dtype=torch.float32)
         ok = torch.isfinite(t) & (t > 0)
-        if device.type == "cpu":
+        if on_host:
             if n and not bool(ok.all()):
                 raise ContractInputError(f"temperature must be finite and > 0 (as binary32); got "
                                          f"{t[~ok][0].item()}")
-        elif n:
-            torch._assert_async(ok.all(), "temperature must be finite and > 0")
-        return t
+            return t.to(device=device).contiguous(), None
+        if not n:
+            return t.contiguous(), None
+        return torch.where(ok, t, torch.ones((), dtype=t.dtype, device=device)).contiguous(), ~ok
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ContractInputError(f"temperature must be a number or a tensor [N]; got {type(temperature).__name__}")
     t32 = torch.tensor(float(temperature), dtype=torch.float32)
@@ -135,7 +147,103 @@ def _temperature_tensor(temperature, n, device):
         raise ContractInputError(f"temperature must be finite and > 0 as binary32 (about [1.4e-45, 3.4e38]); "
                                  f"got {temperature!r}")
     # filled on the device: a host-to-device copy from pageable memory would synchronise the stream each call
-    return torch.full((n,), float(t32), dtype=torch.float32, device=device)
+    return torch.full((n,), float(t32), dtype=torch.float32, device=device), None
+
+
+# Invalid per-row values on a device (CONTRACT.md section 0.1): counted on the device, never asserted there.
+_ROW_ARGS = ("targets", "temperature")
+_ROW_RANGE = {"targets": "must lie in the real vocabulary [0, vocab_size) of their call",
+              "temperature": "must be finite and > 0 (as binary32)"}
+_row_errors_by_device: dict = {}
+_row_log = logging.getLogger("fused_logp")
+
+
+class _RowErrors:
+    """Invalid rows per argument on one device since the last check: a device counter, and its snapshot copied
+    to pinned host memory after each call (no synchronisation) so that a later call can read it once done."""
+
+    def __init__(self, device):
+        self.count = torch.zeros(len(_ROW_ARGS), dtype=torch.int64, device=device)
+        self.snapshot = torch.zeros(len(_ROW_ARGS), dtype=torch.int64, pin_memory=True)
+        self.event = None
+
+    def record(self, masks):
+        zero = self.count[0] * 0
+        self.count.add_(torch.stack([zero if m is None else m.sum() for m in masks]))
+        self.snapshot.copy_(self.count, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def take(self, wait):
+        """Counts recorded so far (all of them with wait=True, which synchronises; else what a finished
+        snapshot shows, or nothing); the counter restarts from zero once a non-zero count is returned."""
+        if wait:
+            counts = [int(c) for c in self.count.tolist()]
+        elif self.event is not None and self.event.query():
+            counts = [int(c) for c in self.snapshot.tolist()]
+        else:
+            return None
+        self.event = None
+        if not any(counts):
+            return None
+        self.count.zero_()
+        return counts
+
+
+def _row_error_message(counts, device):
+    return "; ".join(f"{arg} {_ROW_RANGE[arg]}: {k} row(s) on {device} were not since the last check (their logp "
+                     f"and lse are NaN)" for arg, k in zip(_ROW_ARGS, counts) if k)
+
+
+def check_input_errors(device=None) -> None:
+    """Synchronise with `device` (default: the current CUDA device) and raise ContractInputError naming the
+    argument if any call since the last check had an invalid per-row value there (section 0.1)."""
+    dev = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device(f"cuda:{torch.cuda.current_device()}")
+    errs = _row_errors_by_device.get(dev)
+    counts = errs.take(wait=True) if errs is not None else None
+    if counts:
+        raise ContractInputError(_row_error_message(counts, dev))
+
+
+def _row_guard(device, strict, bad_targets, bad_temperature):
+    """Invalid-row bookkeeping of one call on a device: earlier calls' finished records are read without
+    waiting (strict mode raises ContractInputError naming the argument, otherwise a warning is logged), this
+    call's masks are counted on the device. -> the combined invalid-row mask [N], or None (nothing to mask)."""
+    present = [m for m in (bad_targets, bad_temperature) if m is not None]
+    if device.type == "cpu" or not present:
+        return None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{torch.cuda.current_device()}")
+    errs = _row_errors_by_device.get(device)
+    if errs is None:
+        errs = _row_errors_by_device[device] = _RowErrors(device)
+    counts = errs.take(wait=False)
+    if counts:
+        strict = get_config().strict if strict is None else bool(strict)
+        if strict:
+            raise ContractInputError(_row_error_message(counts, device))
+        _row_log.warning("fused_logp: %s", _row_error_message(counts, device))
+    errs.record((bad_targets, bad_temperature))
+    return present[0] if len(present) == 1 else present[0] | present[1]
+
+
+def _nan_rows(bad, *tensors):
+    """The tensors with the rows of `bad` set to NaN (None passes through)."""
+    if bad is None:
+        return tensors if len(tensors) > 1 else tensors[0]
+    out = tuple(None if t is None else torch.where(bad.view(-1, *([1] * (t.dim() - 1))), float("nan"), t)
+                for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+def _nan_result(bad, res):
+    """A LogpResult with the logp and lse of the rows of `bad` set to NaN."""
+    if bad is None:
+        return res
+    logp, lse = _nan_rows(bad, res.logp, res.lse)
+    return dataclasses.replace(res, logp=logp, lse=lse)
 
 
 def _bias_tensor(bias, rows, device):
@@ -192,10 +300,11 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, return_l
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     _check_vocab(vocab_size, weight.shape[0])
     n, dev = hidden.shape[0], hidden.device
-    targets = _check_targets(targets, n, vocab_size, dev)
-    temp = _temperature_tensor(temperature, n, dev)
+    targets, bad_targets = _check_targets(targets, n, vocab_size, dev)
+    temp, bad_temp = _temperature_tensor(temperature, n, dev)
     b32 = _bias_tensor(bias, weight.shape[0], dev)          # fp32, detached: the forward's bias either way
     be, prov = _resolve(backend, strict, dev)
+    bad = _row_guard(dev, strict, bad_targets, bad_temp)
 
     def forward(h, w, _bias):
         logp, lse, logits = be.linear_logp(h.contiguous(), w.contiguous(), targets, bias=b32, temperature=temp,
@@ -203,8 +312,8 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, return_l
         return LogpResult(logp, lse, logits, prov)
 
     if _needs_grad(hidden, weight, bias):
-        return _with_grad(forward, hidden, weight, bias, targets, temp, 0, vocab_size)
-    return forward(hidden, weight, bias)
+        return _nan_result(bad, _with_grad(forward, hidden, weight, bias, targets, temp, 0, vocab_size))
+    return _nan_result(bad, forward(hidden, weight, bias))
 
 
 def shard_tile_stats(hidden, weight_shard, targets, *, vocab_start, vocab_size, bias=None, temperature=1.0,
@@ -221,13 +330,15 @@ def shard_tile_stats(hidden, weight_shard, targets, *, vocab_start, vocab_size, 
         raise ContractInputError(f"a shard must end on a tile boundary or at/after the real vocabulary end "
                                  f"({vocab_size}); weight_shard rows [{vocab_start}, {end}) end mid-tile")
     n, dev = hidden.shape[0], hidden.device
-    targets = _check_targets(targets, n, vocab_size, dev)
-    temp = _temperature_tensor(temperature, n, dev)
+    targets, bad_targets = _check_targets(targets, n, vocab_size, dev)
+    temp, bad_temp = _temperature_tensor(temperature, n, dev)
     b = _bias_tensor(bias, weight_shard.shape[0], dev)
     be, prov = _resolve(backend, strict, dev)
+    bad = _row_guard(dev, strict, bad_targets, bad_temp)
     st = _require(be, "shard_stats")(hidden.contiguous(), weight_shard.contiguous(), targets,
                                       vocab_start=vocab_start, vocab_size=vocab_size, bias=b, temperature=temp,
                                       return_logits=bool(return_logits))
+    st["tile_max"], st["target_logit"] = _nan_rows(bad, st["tile_max"], st["target_logit"])
     return ShardStats(provenance=prov, **st)
 
 
@@ -270,8 +381,8 @@ def linear_logp_tp(hidden, weight_shard, targets, *, vocab_start, vocab_size, gr
         _check_hidden_weight(hidden, weight_shard, "weight_shard")
         n, dev = hidden.shape[0], hidden.device
         n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
-        return _with_grad(forward, hidden, weight_shard, bias, _check_targets(targets, n, vocab_size, dev),
-                          _temperature_tensor(temperature, n, dev), vocab_start, n_real)
+        return _with_grad(forward, hidden, weight_shard, bias, _check_targets(targets, n, vocab_size, dev)[0],
+                          _temperature_tensor(temperature, n, dev)[0], vocab_start, n_real)
     return forward(hidden, weight_shard, bias)
 
 
@@ -320,16 +431,17 @@ def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backe
     vocab_size = logits.shape[1] if vocab_size is None else vocab_size
     _check_vocab(vocab_size, logits.shape[1])
     n, dev = logits.shape[0], logits.device
-    targets = _check_targets(targets, n, vocab_size, dev, columns=True)
-    temp = _temperature_tensor(temperature, n, dev)
+    targets, bad_targets = _check_targets(targets, n, vocab_size, dev, columns=True)
+    temp, bad_temp = _temperature_tensor(temperature, n, dev)
     be, prov = _resolve(backend, strict, dev)
+    bad = _row_guard(dev, strict, bad_targets, bad_temp)
     z = logits[:, :vocab_size].contiguous()
     if targets.dim() == 2 and not getattr(be, "multi_target", False):
         cols = [be.stats_from_logits(z, targets[:, c].contiguous(), temperature=temp, vocab_size=vocab_size)
                 for c in range(targets.shape[1])]
-        return LogpResult(torch.stack([c[0] for c in cols], dim=1), cols[0][1], None, prov)
+        return _nan_result(bad, LogpResult(torch.stack([c[0] for c in cols], dim=1), cols[0][1], None, prov))
     logp, lse = be.stats_from_logits(z, targets, temperature=temp, vocab_size=vocab_size)
-    return LogpResult(logp, lse, None, prov)
+    return _nan_result(bad, LogpResult(logp, lse, None, prov))
 
 
 def linear_logp_program(hidden, weight, targets, program, *, vocab_size=None, rows_per_chunk=None, backend=None,
@@ -344,7 +456,7 @@ def linear_logp_program(hidden, weight, targets, program, *, vocab_size=None, ro
     _check_hidden_weight(hidden, weight)
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     _check_vocab(vocab_size, weight.shape[0])
-    targets = _check_targets(targets, hidden.shape[0], vocab_size, hidden.device)
+    targets, _ = _check_targets(targets, hidden.shape[0], vocab_size, hidden.device, host_check=True)
     if rows_per_chunk is None:
         rows_per_chunk = PROGRAM_ROWS_PER_CHUNK_CUDA if hidden.device.type == "cuda" else 64
     logps, lses, prov = [], [], None
