@@ -2,7 +2,8 @@
 
 Every logprob vLLM hands back (sampled token, top-k columns, prompt logprobs; offline and over HTTP) must equal,
 bit for bit, linear_logp recomputed by the test from the final hidden rows the plugin consumed (captured with
-`capture: true`), the checkpoint's lm_head and the request's temperature.
+`capture: true`, matched to the request by its request id), the checkpoint's lm_head and the request's scoring
+temperature. The offline engine is shared with tests/test_vllm_transforms.py (vllm_helpers.shared_llm).
 """
 from __future__ import annotations
 
@@ -24,43 +25,45 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_helpers import (VOCAB, in_process_llm, lm_head_weight, make_tiny_qwen3,  # noqa: E402
-                          op_logp_rows, rewrite_lm_head)
+from vllm_helpers import (VOCAB, captured_floats, lm_head_weight, op_logp_rows, rewrite_lm_head,  # noqa: E402
+                          shared_llm, shared_tiny_model)
 
 from fused_logp import linear_logp, weight_fingerprint  # noqa: E402
 from fused_logp.shared_contract.constants import CONTRACT_VERSION  # noqa: E402
 from fused_logp.shared_contract.errors import StrictModeError  # noqa: E402
+from fused_logp.shared_contract.sampling import scoring_temperature  # noqa: E402
+from fused_logp.vllm_plugin.status_rpc import same_request  # noqa: E402
 
 PLUGIN_CFG = {"fused_logp": {"enabled": True, "strict": True, "capture": True}}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "model")
+def model_dir():
+    return shared_tiny_model()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(model_dir):
-    yield from in_process_llm(model_dir, PLUGIN_CFG)
+    return shared_llm(model_dir, PLUGIN_CFG)
 
 
-def _effective_t(t):
-    return 1.0 if t < 1e-5 else t
+_effective_t = scoring_temperature
 
 
 def check_outputs(requests, captured, weight):
-    """requests: [(prompt ids, T, {token_position: {id: logprob}}, {prompt_position: {id: logprob}} or None,
-    sampled ids)]. Matches each request to its captured rows by the sampled sequence, recomputes every recorded
+    """requests: [(request id, prompt ids, T, {token_position: {id: logprob}}, {prompt_position: {id: logprob}}
+    or None, sampled ids)]. Matches each request to its captured rows by its request id, recomputes every recorded
     value with one linear_logp call and compares the FP32 bits. Returns the number of values compared."""
     groups: dict = {}
     for c in captured:
         g = groups.setdefault(c["req_id"], {"sample": [], "prompt": []})
         g[c["kind"]].append(c)
     hid, ids, temps, want = [], [], [], []
-    for prompt, t, lps, plps, sampled in requests:
-        match = [k for k, g in groups.items() if [c["ids"][0] for c in g["sample"]] == list(sampled)]
-        assert match, f"no captured rows for sampled sequence {sampled}"
+    for rid, prompt, t, lps, plps, sampled in requests:
+        match = [k for k in groups if same_request(k, rid)]
+        assert len(match) == 1, f"captured rows for request {rid}: {match}"
         g = groups.pop(match[0])
+        assert [c["ids"][0] for c in g["sample"]] == list(sampled)
         assert len(lps) == len(g["sample"])
         for c, d in zip(g["sample"], lps):
             assert set(d) == set(c["ids"])
@@ -110,10 +113,10 @@ def test_offline_logprobs_equal_op(llm, model_dir):
               for i, (_, t) in enumerate(cases)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     captured = llm.collective_rpc("fused_logp_captured")[0]
-    reqs = [(p, t, _dicts(o.outputs[0].logprobs), _dicts(o.prompt_logprobs[1:]), o.outputs[0].token_ids)
-            for (p, t), o in zip(cases, outs)]
+    reqs = [(o.request_id, p, t, _dicts(o.outputs[0].logprobs), _dicts(o.prompt_logprobs[1:]),
+             o.outputs[0].token_ids) for (p, t), o in zip(cases, outs)]
     # the top-k dict-overwrite trap: a sampled id that is also a top-k column is present and still compared
-    assert any(len(d) == 3 for r in reqs for d in r[2])
+    assert any(len(d) == 3 for r in reqs for d in r[3])
     n = check_outputs(reqs, captured, weight)
     assert n > 4 * 5 * 3
 
@@ -162,7 +165,7 @@ def test_strict_refuses_bad_words_and_full_vocab_logprobs(llm):
 def test_strict_refuses_engine_features(llm):
     from vllm.config import LoRAConfig, set_current_vllm_config
 
-    from fused_logp.vllm_plugin.logits_processor import FusedLogpLogitsProcessor
+    from fused_logp.vllm_plugin.head import FusedLogpLogitsProcessor
     from fused_logp.vllm_plugin.policy import engine_reasons
 
     cfg = llm.llm_engine.vllm_config
@@ -201,24 +204,62 @@ def test_strict_refuses_quantized_head(llm):
 
 
 def test_weight_update_fingerprint(llm, model_dir, tmp_path):
+    """The weight version is the fingerprint (content-addressed): reload_weights with a new lm_head moves it and
+    vLLM's weight-version label follows; reloading the original bytes gives the original version back
+    (fingerprint_changes, a counter, is informational only)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     before = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+    assert before["weight_version"] == before["fingerprint"]
     new_dir = tmp_path / "model2"
     new_w = rewrite_lm_head(model_dir, new_dir, seed=123)
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
-    after = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
-    assert after["fingerprint"] != before["fingerprint"]
-    assert after["fingerprint"] == weight_fingerprint(new_w)
-    assert after["weight_version"].split(":")[0] == str(int(before["weight_version"].split(":")[0]) + 1)
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
+        after = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+        assert after["fingerprint"] != before["fingerprint"]
+        assert after["fingerprint"] == after["weight_version"] == weight_fingerprint(new_w)
+        assert after["fingerprint_changes"] == before["fingerprint_changes"] + 1
 
-    llm.collective_rpc("fused_logp_captured")
-    p = [21, 22, 23]
-    out = llm.generate([TokensPrompt(prompt_token_ids=p)],
-                       SamplingParams(temperature=0.9, max_tokens=3, logprobs=2, seed=5), use_tqdm=False)[0]
-    captured = llm.collective_rpc("fused_logp_captured")[0]
-    check_outputs([(p, 0.9, _dicts(out.outputs[0].logprobs), None, out.outputs[0].token_ids)], captured, new_w)
+        llm.collective_rpc("fused_logp_captured")
+        p = [21, 22, 23]
+        out = llm.generate([TokensPrompt(prompt_token_ids=p)],
+                           SamplingParams(temperature=0.9, max_tokens=3, logprobs=2, seed=5), use_tqdm=False)[0]
+        captured = llm.collective_rpc("fused_logp_captured")[0]
+        check_outputs([(out.request_id, p, 0.9, _dicts(out.outputs[0].logprobs), None, out.outputs[0].token_ids)],
+                      captured, new_w)
+        assert [s.version for s in out.outputs[0].weight_versions] == [after["fingerprint"]]
+    finally:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+    back = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+    assert back["weight_version"] == before["weight_version"]
+    assert back["fingerprint_changes"] == before["fingerprint_changes"] + 2
+
+
+def test_kill_switch_with_strict_config_refused(llm, monkeypatch):
+    """FUSED_LOGP_VLLM=0 with this engine's strict configuration: the frontend's InputProcessor refuses to start."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from fused_logp.vllm_plugin.settings import SettingsConflictError
+
+    monkeypatch.setenv("FUSED_LOGP_VLLM", "0")
+    with pytest.raises(SettingsConflictError, match="kill switch"):
+        InputProcessor(llm.llm_engine.vllm_config, llm.llm_engine.renderer)
+
+
+def test_status_without_dev_mode(llm):
+    """Production status: the fused_logp_info Prometheus series and vLLM's weight-version label carry the
+    fingerprint."""
+    from prometheus_client import REGISTRY
+
+    head = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+    assert llm.llm_engine.engine_core.engine_core._weight_version == head["fingerprint"]
+    labels = {"contract_version": CONTRACT_VERSION, "strict": "true", "backend": head["backend"],
+              "weight_version": head["fingerprint"]}
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm.generate([TokensPrompt(prompt_token_ids=[4, 5])], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert REGISTRY.get_sample_value("fused_logp_info", labels) == 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -323,7 +364,13 @@ def test_server_completions_equal_op(server, model_dir):
                        "logprobs": 2, "seed": 100 + i, "return_tokens_as_token_ids": True})
     with ThreadPoolExecutor(64) as ex:
         replies = list(ex.map(lambda b: _post(base + "/v1/completions", b), bodies))
-    captured = _post(base + "/collective_rpc", {"method": "fused_logp_captured"})[1]["results"][0]
+    # read without clearing, then acknowledge what arrived: nothing is lost if the transport fails
+    code, r = _post(base + "/collective_rpc", {"method": "fused_logp_captured", "kwargs": {"clear": False}})
+    assert code == 200, r
+    captured = r["results"][0]
+    left = _post(base + "/collective_rpc", {"method": "fused_logp_captured_ack",
+                                            "kwargs": {"n": len(captured)}})[1]["results"]
+    assert left == [0]
 
     reqs = []
     for b, (code, r) in zip(bodies, replies):
@@ -336,8 +383,23 @@ def test_server_completions_equal_op(server, model_dir):
             assert d.get(tok, tlp) == tlp
             d[tok] = tlp
             dicts.append(d)
-        reqs.append((b["prompt"], b["temperature"], dicts, None, sampled))
+        reqs.append((f"{r['id']}-0", b["prompt"], b["temperature"], dicts, None, sampled))
     check_outputs(reqs, captured, lm_head_weight(model_dir))
+
+    # a program request whose top-k columns fall outside its kept set: -inf columns travel over HTTP
+    code, r = _post(base + "/v1/completions", {"model": name, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 2,
+                                               "logprobs": 5, "seed": 1, "return_tokens_as_token_ids": True})
+    assert code == 200, r
+    code, r = _post(base + "/collective_rpc", {"method": "fused_logp_captured"})
+    assert code == 200, r
+    assert any(v == "-inf" for c in r["results"][0] for v in c["logprobs"])
+
+    # production status, no dev mode needed for /metrics: fused_logp_info with the fingerprint as weight version
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        metrics = resp.read().decode()
+    fp = weight_fingerprint(lm_head_weight(model_dir))
+    line = [x for x in metrics.splitlines() if x.startswith("fused_logp_info{")]
+    assert line and f'weight_version="{fp}"' in line[0] and 'strict="true"' in line[0], line
 
     code, r = _post(base + "/v1/completions", {"model": name, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5,
                                                "presence_penalty": 0.5})

@@ -1,5 +1,6 @@
-"""vLLM plugin pieces that need no engine: registration, settings, the column rescoring shared by both samplers,
-and the Model Runner V2 wrappers (MRV2 needs Triton on a GPU, so only its wiring is checked here)."""
+"""vLLM plugin pieces that need no engine: registration, settings (kill switch, capture bound), the column
+rescoring shared by both samplers, the bounded capture buffer and its JSON-safe rows, the Prometheus status, and
+the Model Runner V2 wrappers (MRV2 needs Triton on a GPU, so only its wiring is checked here)."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ def test_register_is_idempotent_and_replaces_logits_processor():
     from vllm.model_executor.custom_op import op_registry_oot
 
     from fused_logp.vllm_plugin import register
-    from fused_logp.vllm_plugin.logits_processor import FusedLogpLogitsProcessor
+    from fused_logp.vllm_plugin.head import FusedLogpLogitsProcessor
 
     register()
     register()
@@ -44,19 +45,75 @@ def test_settings_and_kill_switch(monkeypatch, tmp_path):
     assert s.strict is False
     with pytest.raises(ValueError, match="unknown keys"):
         settings_from_vllm_config(_Cfg({"fused_logp": {"enable": True}}))
+    with pytest.raises(ValueError, match="capture_limit"):
+        settings_from_vllm_config(_Cfg({"fused_logp": {"capture_limit": 0}}))
+    assert settings_from_vllm_config(_Cfg({"fused_logp": {"capture_limit": 5}})).capture_limit == 5
     monkeypatch.setenv("FUSED_LOGP_VLLM", "0")
-    assert settings_from_vllm_config(_Cfg({"fused_logp": {"enabled": True}})) is None
+    assert settings_from_vllm_config(_Cfg({"fused_logp": {"enabled": True, "strict": False}})) is None
+    assert settings_from_vllm_config(_Cfg({})) is None
     monkeypatch.setenv("FUSED_LOGP_VLLM", "1")
     assert settings_from_vllm_config(_Cfg({})) is not None
+
+
+def test_kill_switch_refuses_a_strict_configuration(monkeypatch, tmp_path):
+    """FUSED_LOGP_VLLM=0 with an engine configured for strict mode: refused, not silently obeyed."""
+    from fused_logp.vllm_plugin.settings import SettingsConflictError, check_kill_switch, settings_from_vllm_config
+
+    monkeypatch.setenv("FUSED_LOGP_VLLM", "0")
+    monkeypatch.delenv("FUSED_LOGP_STRICT", raising=False)
+    with pytest.raises(SettingsConflictError, match="kill switch"):
+        settings_from_vllm_config(_Cfg({"fused_logp": {"enabled": True, "strict": True}}))
+    yaml = tmp_path / "strict.yaml"
+    yaml.write_text("strict: true\n")
+    with pytest.raises(SettingsConflictError):
+        check_kill_switch(_Cfg({"fused_logp": {"config": str(yaml)}}))
+    check_kill_switch(_Cfg({"fused_logp": {"enabled": False, "strict": True}}))     # disabled: nothing to refuse
+
+
+def test_capture_buffer_bound_and_json_safe_rows():
+    """The oldest rows are dropped first and counted; -inf and nan travel as strings float() reads back."""
+    import json
+
+    from fused_logp.vllm_plugin.scoring import json_float
+    from fused_logp.vllm_plugin.state import CaptureBuffer
+
+    b = CaptureBuffer(3)
+    for i in range(5):
+        b.append({"i": i})
+    assert [r["i"] for r in b.peek()] == [2, 3, 4] and b.dropped == 2
+    assert [r["i"] for r in b.take(2)] == [2, 3] and len(b) == 1
+    vals = [json_float(v) for v in (-1.5, float("-inf"), float("inf"), float("nan"))]
+    text = json.dumps(vals, allow_nan=False)
+    back = [float(v) for v in json.loads(text)]
+    assert back[0] == -1.5 and back[1] == float("-inf") and back[2] == float("inf") and back[3] != back[3]
+    with pytest.raises(ValueError):
+        CaptureBuffer(0)
+
+
+def test_prometheus_info_metric():
+    from prometheus_client import REGISTRY
+
+    from fused_logp.shared_contract.constants import CONTRACT_VERSION
+    from fused_logp.vllm_plugin import metrics
+    from fused_logp.vllm_plugin.settings import PluginSettings
+
+    metrics.publish(PluginSettings(strict=True, backend="oracle", capture=False, source="test"),
+                    weight_version="fp-before")
+    labels = {"contract_version": CONTRACT_VERSION, "strict": "true", "backend": "oracle",
+              "weight_version": "fp-before"}
+    assert REGISTRY.get_sample_value("fused_logp_info", labels) == 1.0
+    metrics._labels_update("fp-test")
+    assert REGISTRY.get_sample_value("fused_logp_info", labels) is None
+    assert REGISTRY.get_sample_value("fused_logp_info", dict(labels, weight_version="fp-test")) == 1.0
 
 
 def test_rescore_every_column_at_row_temperature():
     """Both samplers end in rescore(): a top-k column repeating the sampled id and a padding column (-inf)."""
     from vllm.v1.outputs import LogprobsTensors
 
-    from fused_logp.vllm_plugin.logits_processor import HeadState, Mark
-    from fused_logp.vllm_plugin.patches import effective_temperature, rescore
+    from fused_logp.vllm_plugin.scoring import effective_temperature, rescore
     from fused_logp.vllm_plugin.settings import PluginSettings
+    from fused_logp.vllm_plugin.state import HeadState, Mark
 
     g = torch.Generator().manual_seed(0)
     n, d, v = 3, 64, 200
@@ -75,7 +132,8 @@ def test_rescore_every_column_at_row_temperature():
     assert torch.equal(out.logprobs[:, :2], want[:, :2]) and torch.equal(out.logprobs[:2, 2], want[:2, 2])
     assert out.logprobs[0, 0] == out.logprobs[0, 1] and out.logprobs[1, 0] == out.logprobs[1, 2]
     assert out.logprobs[2, 2] == float("-inf")
-    assert len(st.captured) == n and st.captured[0]["ids"] == [5, 5, 9]
+    rows = st.captured.peek()
+    assert len(rows) == n and rows[0]["ids"] == [5, 5, 9] and rows[2]["logprobs"][2] == "-inf"
 
 
 def test_model_runner_v2_wrappers_installed():
@@ -84,13 +142,16 @@ def test_model_runner_v2_wrappers_installed():
     from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from fused_logp.vllm_plugin import patches
+    from fused_logp.vllm_plugin import capability, install, mrv2_sampler, prompt_logprobs, v1_sampler
 
-    patches.install()
-    patches.install()
-    for fn in (V2Sampler.__call__, pl.PromptLogprobsWorker.compute_prompt_logprobs,
-               pl.PromptLogprobsWorker.add_request, pl.compute_topk_scores, V1Sampler.forward,
-               GPUModelRunner._sample, GPUModelRunner._get_prompt_logprobs_dict):
-        assert fn.__code__.co_filename == patches.__file__, fn
+    install.install(capability.detect())
+    install.install(capability.detect())
+    for fn, mod in ((V2Sampler.__call__, mrv2_sampler), (V2Sampler.add_request, mrv2_sampler),
+                    (pl.PromptLogprobsWorker.compute_prompt_logprobs, prompt_logprobs),
+                    (pl.PromptLogprobsWorker.add_request, prompt_logprobs), (pl.compute_topk_scores, prompt_logprobs),
+                    (V1Sampler.forward, v1_sampler), (V1Sampler.sample, v1_sampler),
+                    (V1Sampler.gather_logprobs, prompt_logprobs), (GPUModelRunner._sample, v1_sampler),
+                    (GPUModelRunner._get_prompt_logprobs_dict, prompt_logprobs)):
+        assert fn.__code__.co_filename == mod.__file__, fn
         assert not hasattr(fn.__wrapped__, "__wrapped__"), "wrapped twice"
 

@@ -34,7 +34,7 @@ def test_tp2_unaligned_shards_equal_unsharded_op(tmp_path):
     assert len(rows) == 15
     hid, ids, temps, want = [], [], [], []
     for r in rows:
-        for tid, lp in zip(r["ids"], r["logprobs"]):
+        for tid, lp in zip(r["ids"], [float(v) for v in r["logprobs"]]):
             hid.append(r["hidden"]); ids.append(tid); temps.append(r["temperature"]); want.append(lp)
     h = torch.tensor(hid, dtype=torch.int16).view(torch.bfloat16)
     got = linear_logp(h, w, torch.tensor(ids), temperature=torch.tensor(temps, dtype=torch.float32)).logp

@@ -17,13 +17,15 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_helpers import in_process_llm, lm_head_weight, make_tiny_qwen3  # noqa: E402
+from vllm_helpers import captured_floats, lm_head_weight, shared_llm, shared_tiny_model  # noqa: E402
 
 from fused_logp import linear_logp  # noqa: E402
 from fused_logp.kernel.op import linear_logp_program  # noqa: E402
 from fused_logp.kernel.transforms import TransformProgram, kept_mask, program_logp_from_logits  # noqa: E402
 from fused_logp.shared_contract.constants import TRANSFORM_PROGRAM_VERSION  # noqa: E402
 from fused_logp.shared_contract.errors import StrictModeError  # noqa: E402
+from fused_logp.shared_contract.sampling import is_greedy, scoring_temperature  # noqa: E402
+from fused_logp.vllm_plugin.status_rpc import same_request  # noqa: E402
 
 PLUGIN_CFG = {"fused_logp": {"enabled": True, "strict": True, "capture": True}}
 
@@ -39,19 +41,19 @@ PROMPTS = [[11, 12, 13, 14, 15], [3, 900, 41], [500, 501, 17, 18]]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3t") / "model")
+def model_dir():
+    return shared_tiny_model()
 
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    yield from in_process_llm(model_dir, PLUGIN_CFG)
+    return shared_llm(model_dir, PLUGIN_CFG)              # the engine test_vllm_plugin.py uses
 
 
 def _program(t, k, p, m):
-    if t < 1e-5:                     # SamplingParams turns top-k / top-p / min-p off for greedy requests
-        return TransformProgram(1.0)
-    return TransformProgram(temperature=1.0 if t < 1e-5 else t, top_k=None if k in (0, -1) else k,
+    if is_greedy(t):                 # SamplingParams turns top-k / top-p / min-p off for greedy requests
+        return TransformProgram(scoring_temperature(t))
+    return TransformProgram(temperature=t, top_k=None if k in (0, -1) else k,
                             top_p=None if p == 1.0 else p, min_p=None if m == 0.0 else m)
 
 
@@ -95,10 +97,10 @@ def test_sampled_tokens_in_kept_set_and_logprobs_equal_trainer(run, model_dir):
     n_vals = n_neginf = n_sampled = 0
     for (prompt, prog), o in zip(progs, outs):
         sampled = list(o.outputs[0].token_ids)
-        match = [k for k, g in groups.items() if [c["ids"][0] for c in g["sample"]] == sampled
-                 and g["sample"][0]["program"] == prog.to_dict()]
-        assert match, f"no captured rows for {sampled} under {prog}"
+        match = [k for k in groups if same_request(k, o.request_id)]
+        assert len(match) == 1, f"no captured rows for request {o.request_id} under {prog}"
         g = groups.pop(match[0])
+        assert [c["ids"][0] for c in g["sample"]] == sampled
         assert all(c["program"] == prog.to_dict() and c["program"]["version"] == TRANSFORM_PROGRAM_VERSION
                    for c in g["sample"] + g["prompt"])
         recorded = [{tid: lp.logprob for tid, lp in d.items()} for d in o.outputs[0].logprobs]
@@ -116,7 +118,7 @@ def test_sampled_tokens_in_kept_set_and_logprobs_equal_trainer(run, model_dir):
                 want = torch.where(kept, lp, torch.full_like(lp, float("-inf")))
                 got = [d[i] for i in c["ids"]]
                 assert torch.equal(_bits(got), want.view(torch.int32)), (prog, c["kind"], c["ids"], got, want)
-                assert torch.equal(_bits(c["logprobs"]), want.view(torch.int32))
+                assert torch.equal(_bits(captured_floats(c["logprobs"])), want.view(torch.int32))
                 n_vals += len(got)
                 n_neginf += int((~kept).sum())
             if rows is g["sample"]:

@@ -10,21 +10,67 @@ from fused_logp_jobs.tiny_model import HIDDEN, VOCAB, lm_head_weight, make_tiny_
 from fused_logp_jobs.tiny_model import VLLM_ENGINE_KW as ENGINE_KW
 
 
-def in_process_llm(model_dir, plugin_cfg):
-    """One in-process vLLM engine with the plugin for a test module (yields it; shuts it down after)."""
-    import copy
+_SHARED: dict = {}
 
-    import pytest
+
+def shared_tiny_model() -> Path:
+    """The default tiny Qwen3 (make_tiny_qwen3 defaults), made once per test process."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if "model" not in _SHARED:
+        d = tempfile.mkdtemp(prefix="fused_logp_qwen3_")
+        atexit.register(shutil.rmtree, d, ignore_errors=True)
+        _SHARED["model"] = make_tiny_qwen3(Path(d) / "model")
+    return _SHARED["model"]
+
+
+def shared_llm(model_dir, plugin_cfg):
+    """One in-process vLLM engine per (model, plugin configuration) for the whole test process: the test modules
+    that ask for the same one share its start-up. A request for another one shuts the previous one down first
+    (one in-process engine at a time). Every caller leaves the engine's weights as it found them."""
+    import atexit
+    import copy
+    import json
+
     from vllm import LLM
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    mp.delenv("FUSED_LOGP_VLLM", raising=False)
-    engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(plugin_cfg))
+    key = (str(model_dir), json.dumps(plugin_cfg, sort_keys=True))
+    if _SHARED.get("llm_key") == key:
+        engine = _SHARED["llm"]
+        engine.collective_rpc("fused_logp_captured")
+        return engine
+    _shutdown_shared()
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "FUSED_LOGP_VLLM")}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.pop("FUSED_LOGP_VLLM", None)
+    try:
+        engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(plugin_cfg))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     engine.collective_rpc("fused_logp_captured")
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    mp.undo()
+    if not _SHARED.get("atexit"):
+        atexit.register(_shutdown_shared)
+        _SHARED["atexit"] = True
+    _SHARED["llm"], _SHARED["llm_key"] = engine, key
+    return engine
+
+
+def _shutdown_shared():
+    engine = _SHARED.pop("llm", None)
+    _SHARED.pop("llm_key", None)
+    if engine is not None:
+        engine.llm_engine.engine_core.shutdown()
+
+
+def captured_floats(values: list) -> list[float]:
+    """A captured row's logprobs as floats (the RPC sends -inf / inf / nan as strings)."""
+    return [float(v) for v in values]
 
 
 def rewrite_lm_head(src: str | os.PathLike, dst: str | os.PathLike, *, seed: int) -> torch.Tensor:

@@ -47,14 +47,12 @@ def step_rollout(work: Path, strict: bool):
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     captured = llm.collective_rpc("fused_logp_captured")[0]
     status = llm.collective_rpc("fused_logp_status")[0]
-    by_seq = {}
-    for c in captured:
-        if c["kind"] == "sample":
-            by_seq.setdefault(c["req_id"], []).append(c)
+    from fused_logp.vllm_plugin.status_rpc import same_request
+
     seqs = []
     for prompt, t, o in zip(PROMPTS, TEMPERATURES, outs):
         toks = list(o.outputs[0].token_ids)
-        rows = next(g for g in by_seq.values() if [c["ids"][0] for c in g] == toks)
+        rows = [c for c in captured if c["kind"] == "sample" and same_request(c["req_id"], o.request_id)]
         seqs.append({
             "prompt": prompt, "tokens": toks, "temperature": t,
             "logprobs": [o.outputs[0].logprobs[i][tok].logprob for i, tok in enumerate(toks)],

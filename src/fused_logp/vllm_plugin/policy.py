@@ -15,8 +15,9 @@ import torch
 
 from ..kernel.transforms import TransformProgram
 from ..shared_contract.errors import StrictModeError
+from ..shared_contract.sampling import scoring_temperature
 
-log = logging.getLogger("fused_logp.vllm")
+log = logging.getLogger("vllm.fused_logp")
 
 
 try:
@@ -27,9 +28,6 @@ except ImportError:
 
 class StrictRequestError(_RequestError, StrictModeError):
     """A request that strict mode refuses (a vLLM validation error: the servers answer 400 Bad Request)."""
-
-
-_SAMPLING_EPS = 1e-5                  # vLLM: a temperature below this is greedy
 
 
 def transform_reasons(params) -> list[str]:
@@ -45,9 +43,8 @@ def transform_reasons(params) -> list[str]:
 
 
 def request_temperature(params) -> float:
-    """The temperature the plugin scores a request at: vLLM's, greedy (T < 1e-5) at 1."""
-    t = float(getattr(params, "temperature", 1.0) or 0.0)
-    return 1.0 if t < _SAMPLING_EPS else t
+    """The temperature the plugin scores a request at (shared_contract.sampling.scoring_temperature)."""
+    return scoring_temperature(getattr(params, "temperature", 1.0) or 0.0)
 
 
 def transform_program(params) -> TransformProgram | None:
@@ -146,6 +143,27 @@ def head_reasons(lm_head, embedding_bias, skip_gather: bool) -> list[str]:
 _warned: set[str] = set()
 
 
+def reason_kind(reason: str) -> str:
+    """The kind of a reason, without its value: 'presence_penalty=0.5' -> 'presence_penalty'."""
+    return reason.split("=", 1)[0].split(" (", 1)[0].strip()
+
+
+def warn_once_per_kind(reasons, where: str) -> list[str]:
+    """Log a warning for the reasons whose kind (at `where`) was not logged before in this process; returns
+    them."""
+    new = []
+    for r in reasons:
+        key = f"{where}:{reason_kind(r)}"
+        if key not in _warned:
+            _warned.add(key)
+            new.append(r)
+    if new:
+        log.warning("fused_logp: %s uses %s, which contract v1 does not cover; running outside the contract "
+                    "(non-strict), the status lists it under non_contract. Logged once per kind.",
+                    where, ", ".join(new))
+    return new
+
+
 def refuse_or_warn(reasons: list[str], *, strict: bool, where: str, error=StrictModeError) -> None:
     if not reasons:
         return
@@ -154,7 +172,4 @@ def refuse_or_warn(reasons: list[str], *, strict: bool, where: str, error=Strict
            f"a temperature/top-k/top-p/min-p transform program)")
     if strict:
         raise error(msg + "; strict mode refuses it. Remove it, or run with strict: false.")
-    key = f"{where}:{sorted(reasons)}"
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("%s; running outside the contract, provenance lists it.", msg)
+    warn_once_per_kind(reasons, where)

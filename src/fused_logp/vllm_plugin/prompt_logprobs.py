@@ -1,0 +1,115 @@
+"""The prompt-logprob surface: V1 `GPUModelRunner._get_prompt_logprobs_dict` (with `Sampler.gather_logprobs`)
+and MRV2 `PromptLogprobsWorker` (with its module's `compute_topk_scores`). A prompt row is scored like a sampled
+row of its request: at the request's scoring temperature and under its transform program."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..shared_contract.sampling import scoring_temperature
+from .policy import transform_program
+from .scoring import rescore
+from .state import PROMPT_CTX, PromptCtx, mark_of
+
+
+def install_v1() -> None:
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_gather = Sampler.gather_logprobs
+    orig_prompt = GPUModelRunner._get_prompt_logprobs_dict
+
+    @functools.wraps(orig_gather)
+    def gather_logprobs(logprobs, num_logprobs, token_ids):
+        lt = orig_gather(logprobs, num_logprobs, token_ids)
+        ctx = PROMPT_CTX.get()
+        if ctx is None or ctx.last_logits is None:
+            return lt
+        z, ctx.last_logits = ctx.last_logits, None
+        mark = mark_of(z)
+        if mark is None or not ctx.queue:
+            return lt
+        req_id, temp, n, prog = ctx.queue.pop(0)
+        if n != z.shape[0]:
+            raise RuntimeError(f"fused_logp: prompt logprob rows out of step for request {req_id} "
+                               f"({z.shape[0]} rows, expected {n})")
+        t = torch.full((n,), temp, dtype=torch.float32, device=z.device)
+        return rescore(lt, z, t, mark, req_ids=[req_id] * n, kind="prompt", programs=[prog] * n)
+
+    @functools.wraps(orig_prompt)
+    def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens, *args, **kwargs):
+        queue = []
+        for req_id in (self.num_prompt_logprobs or {}):
+            num_tokens = num_scheduled_tokens.get(req_id)
+            req = self.requests.get(req_id)
+            if num_tokens is None or req is None or req.prompt_token_ids is None:
+                continue
+            remaining = len(req.prompt_token_ids) - (req.num_computed_tokens + 1)
+            n = num_tokens if num_tokens <= remaining else remaining
+            if n > 0:
+                queue.append((req_id, scoring_temperature(req.sampling_params.temperature), n,
+                              transform_program(req.sampling_params)))
+        if not queue:
+            return orig_prompt(self, hidden_states, num_scheduled_tokens, *args, **kwargs)
+        token = PROMPT_CTX.set(PromptCtx(queue))
+        try:
+            return orig_prompt(self, hidden_states, num_scheduled_tokens, *args, **kwargs)
+        finally:
+            PROMPT_CTX.reset(token)
+
+    Sampler.gather_logprobs = staticmethod(gather_logprobs)
+    GPUModelRunner._get_prompt_logprobs_dict = _get_prompt_logprobs_dict
+
+
+def install_mrv2() -> None:
+    from vllm.v1.worker.gpu.sample import prompt_logprob as pl
+
+    W = pl.PromptLogprobsWorker
+    orig_add, orig_compute = W.add_request, W.compute_prompt_logprobs
+    orig_topk = pl.compute_topk_scores
+
+    @functools.wraps(orig_add)
+    def add_request(self, req_id, req_idx, sampling_params, *args, **kwargs):
+        self.__dict__.setdefault("_fused_logp_temperature", {})[req_idx] = \
+            scoring_temperature(sampling_params.temperature)
+        self.__dict__.setdefault("_fused_logp_programs", {})[req_idx] = transform_program(sampling_params)
+        return orig_add(self, req_id, req_idx, sampling_params, *args, **kwargs)
+
+    @functools.wraps(orig_compute)
+    def compute_prompt_logprobs(self, logits_fn, hidden_states, input_batch, *args, **kwargs):
+        uses = getattr(self, "uses_prompt_logprobs", None)
+        if uses is not None and not uses[input_batch.idx_mapping_np].any():
+            return orig_compute(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
+        temps = self.__dict__.get("_fused_logp_temperature", {})
+        progs = self.__dict__.get("_fused_logp_programs", {})
+        qsl = input_batch.query_start_loc_np
+        rows, req_rows, prog_rows = [], [], []
+        for i, req_id in enumerate(input_batch.req_ids):
+            n = int(qsl[i + 1] - qsl[i])
+            req_idx = int(input_batch.idx_mapping_np[i])
+            rows += [temps.get(req_idx, 1.0)] * n
+            req_rows += [req_id] * n
+            prog_rows += [progs.get(req_idx)] * n
+        token = PROMPT_CTX.set(PromptCtx([], rows=rows, req_rows=req_rows, prog_rows=prog_rows))
+        try:
+            return orig_compute(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
+        finally:
+            PROMPT_CTX.reset(token)
+
+    @functools.wraps(orig_topk)
+    def compute_topk_scores(logits, *args, **kwargs):
+        lt = orig_topk(logits, *args, **kwargs)
+        ctx = PROMPT_CTX.get()
+        mark = mark_of(logits)
+        if ctx is None or ctx.rows is None or mark is None:
+            return lt
+        n, o = logits.shape[0], ctx.offset
+        ctx.offset += n
+        t = torch.tensor(ctx.rows[o:o + n], dtype=torch.float32, device=logits.device)
+        return rescore(lt, logits, t, mark, req_ids=ctx.req_rows[o:o + n], kind="prompt",
+                       programs=ctx.prog_rows[o:o + n])
+
+    W.add_request = add_request
+    W.compute_prompt_logprobs = compute_prompt_logprobs
+    pl.compute_topk_scores = compute_topk_scores

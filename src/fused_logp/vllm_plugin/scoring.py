@@ -1,0 +1,107 @@
+"""What both samplers and the prompt-logprob paths end in: every logprob column rescored with the contract op
+(or the row's sampling-transform program), the program rows' kept sets, and the capture of scored rows.
+
+Adapters hold no arithmetic: the values come from fused_logp.logp_from_logits / program_logp_from_logits, the
+greedy and epsilon rules from fused_logp.shared_contract.sampling."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import logp_from_logits
+from ..kernel.transforms import kept_mask, program_logp_from_logits
+from ..shared_contract.sampling import scoring_temperatures
+from .state import Mark
+
+
+def effective_temperature(temp, n: int, device) -> torch.Tensor:
+    """Per-row FP32 scoring temperature [n] from vLLM's per-row sampling temperature (None when all greedy):
+    shared_contract.sampling.scoring_temperatures."""
+    return scoring_temperatures(temp, n, device)
+
+
+def program_groups(programs, vocab: int) -> dict:
+    """{program: [row, ...]} for the rows whose program is not neutral over `vocab` tokens."""
+    groups: dict = {}
+    for r, prog in enumerate(programs or ()):
+        if prog is not None and not prog.is_neutral(vocab):
+            groups.setdefault(prog, []).append(r)
+    return groups
+
+
+def kept_rows(z: torch.Tensor, groups: dict) -> torch.Tensor | None:
+    """[N, V] bool: each program row's kept set (kept_mask on the unscaled FP32 logits z), True on other rows;
+    None without program rows."""
+    if not groups:
+        return None
+    keep = torch.ones(z.shape, dtype=torch.bool, device=z.device)
+    for prog, rows in groups.items():
+        idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
+        keep[idx] = kept_mask(z.index_select(0, idx), prog)
+    return keep
+
+
+def check_sampled(keep: torch.Tensor, sampled: torch.Tensor, groups: dict, mark) -> None:
+    """Every program row's sampled id lies in its kept set."""
+    rows = sorted(r for rs in groups.values() for r in rs)
+    idx = torch.tensor(rows, dtype=torch.int64, device=keep.device)
+    s = sampled.reshape(-1).to(device=keep.device, dtype=torch.int64).index_select(0, idx)
+    ok = keep.index_select(0, idx).gather(1, s[:, None])[:, 0]
+    if not bool(ok.all()):
+        bad = rows[int((~ok).nonzero()[0])]
+        raise RuntimeError(f"fused_logp: row {bad} sampled token {int(sampled.reshape(-1)[bad])} outside its "
+                           f"transform program's kept set")
+    if mark is not None:
+        mark.state.rows_program += len(rows)
+
+
+def rescore(lt, z: torch.Tensor, temperature: torch.Tensor, mark: Mark, *, req_ids=None, kind="sample",
+            programs=None):
+    """LogprobsTensors with every column replaced by the contract logp of its id (padding columns, -inf in
+    vLLM's output, stay -inf). z [N, V] fp32 unscaled; temperature [N] fp32. A row whose program (programs[r])
+    is not neutral gets the program's logp instead, -inf for an id outside its kept set."""
+    st = mark.state
+    if lt is None:
+        return lt
+    ids = lt.logprob_token_ids
+    if ids.numel() == 0 or ids.shape[1] > z.shape[1]:
+        st.note(["full-vocabulary logprobs (-1) are vLLM's"])
+        return lt
+    old = lt.logprobs
+    ids64 = ids.to(device=z.device, dtype=torch.int64)
+    new = logp_from_logits(z, ids64, temperature=temperature, vocab_size=z.shape[1],
+                           backend=st.settings.backend, strict=st.settings.strict).logp
+    for prog, rows in program_groups(programs, z.shape[1]).items():
+        idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
+        lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
+                                               vocab_size=z.shape[1], require_kept=False)
+        new[idx] = torch.where(kept, lp, torch.full_like(lp, float("-inf"))).to(new.device)
+    new = new.to(old.device)
+    new = torch.where(torch.isneginf(old), old, new)
+    st.rows_rescored += int(new.shape[0])
+    if programs is not None and req_ids is not None:
+        st.record_programs(req_ids, programs)
+    if st.settings.capture and mark.hidden is not None:
+        capture(st, mark.hidden, temperature, ids64, new, req_ids, kind, programs)
+    return lt._replace(logprobs=new)
+
+
+def json_float(v: float):
+    """A float as JSON can carry it: finite values as they are, -inf / inf / nan as the strings '-inf', 'inf',
+    'nan' (float() reads each back)."""
+    return v if math.isfinite(v) else repr(v)
+
+
+def capture(st, hidden, temperature, ids, logp, req_ids, kind, programs=None):
+    """Append one record per row to the head's bounded capture buffer; every value JSON-safe."""
+    h = hidden.detach().cpu()
+    t, i, lp = temperature.cpu().tolist(), ids.cpu().tolist(), logp.cpu().tolist()
+    for r in range(len(i)):
+        prog = None if programs is None or programs[r] is None else programs[r].to_dict()
+        st.captured.append({
+            "kind": kind, "req_id": None if req_ids is None else req_ids[r],
+            "hidden": h[r].contiguous().view(torch.int16).tolist(),      # bf16 bit patterns
+            "temperature": t[r], "ids": i[r], "logprobs": [json_float(x) for x in lp[r]],
+            "program": prog,                      # TransformProgram.to_dict(), None: vLLM's own sampling
+        })

@@ -1,0 +1,110 @@
+"""State shared by the plugin's vLLM surfaces: the per-head record, the mark on the op's logits, and the
+context variables through which a runner wrapper tells a sampler wrapper which request each row belongs to.
+
+Imports nothing else of the plugin (the other modules import it)."""
+from __future__ import annotations
+
+import collections
+import contextvars
+import dataclasses
+
+import torch
+
+from .policy import warn_once_per_kind
+from .settings import PluginSettings
+
+# Set by the V1 runner's _sample wrapper: the request id and transform program of every sampler row.
+ROW_REQS: contextvars.ContextVar = contextvars.ContextVar("fused_logp_rows", default=None)
+ROW_PROGRAMS: contextvars.ContextVar = contextvars.ContextVar("fused_logp_programs", default=None)
+# Set by the V1 sampler wrapper around vLLM's forward: the kept-set mask Sampler.sample applies.
+SAMPLE_KEEP: contextvars.ContextVar = contextvars.ContextVar("fused_logp_keep", default=None)
+# Set by the prompt-logprob wrappers; the head leaves its last logits there.
+PROMPT_CTX: contextvars.ContextVar = contextvars.ContextVar("fused_logp_prompt", default=None)
+
+PROGRAMS_KEPT = 65536                 # newest request programs kept for the fused_logp_programs RPC
+
+
+@dataclasses.dataclass
+class PromptCtx:
+    queue: list                     # V1: [(req_id, temperature, rows, program)] in the order vLLM scores them
+    last_logits: object = None
+    rows: list | None = None        # MRV2: per-row temperature, request id and program
+    req_rows: list | None = None
+    prog_rows: list | None = None
+    offset: int = 0
+
+
+class CaptureBuffer:
+    """The rows kept for audits (settings `capture: true`), bounded: at most `limit` rows; when full, the
+    oldest rows are dropped first and counted in `dropped` (the status and every drain report it)."""
+
+    def __init__(self, limit: int):
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"capture_limit must be an integer >= 1; got {limit!r}")
+        self.limit = limit
+        self.rows: collections.deque = collections.deque()
+        self.dropped = 0
+
+    def append(self, row: dict) -> None:
+        if len(self.rows) >= self.limit:
+            self.rows.popleft()
+            self.dropped += 1
+        self.rows.append(row)
+
+    def take(self, n: int | None = None) -> list:
+        """Remove and return the oldest n rows (all with None)."""
+        n = len(self.rows) if n is None else min(n, len(self.rows))
+        return [self.rows.popleft() for _ in range(n)]
+
+    def peek(self, n: int | None = None) -> list:
+        n = len(self.rows) if n is None else min(n, len(self.rows))
+        return [self.rows[i] for i in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+
+@dataclasses.dataclass
+class HeadState:
+    """Per-processor record, read through the workers' fused_logp_status RPC."""
+    settings: PluginSettings
+    notes: set = dataclasses.field(default_factory=set)        # non-contract features seen
+    provenance: dict | None = None
+    fingerprint: str | None = None
+    fingerprint_changes: int = 0                               # informational: how often the bytes changed
+    op_calls: int = 0
+    rows_rescored: int = 0
+    rows_program: int = 0                                      # sampled rows drawn from a program's kept set
+    programs: dict = dataclasses.field(default_factory=dict)   # req_id -> program dict (bounded, newest last)
+    fallback: str | None = None                                # why vLLM's own head ran, if it did
+    captured: CaptureBuffer | None = None
+    lm_head: object = None                                     # weakref to the lm_head module
+
+    def __post_init__(self):
+        if self.captured is None:
+            self.captured = CaptureBuffer(self.settings.capture_limit)
+
+    def note(self, reasons):
+        new = [r for r in reasons if r not in self.notes]
+        if new:
+            self.notes.update(new)
+            warn_once_per_kind(new, "the sampler")
+
+    def record_programs(self, req_ids, programs, limit: int = PROGRAMS_KEPT):
+        for rid, prog in zip(req_ids, programs):
+            if rid is not None and prog is not None and rid not in self.programs:
+                self.programs[rid] = prog.to_dict()
+        while len(self.programs) > limit:
+            self.programs.pop(next(iter(self.programs)))
+
+
+@dataclasses.dataclass
+class Mark:
+    """Attached to the head's FP32 logits (`logits._fused_logp`): the sampler wrappers act only on marked
+    logits."""
+    state: HeadState
+    hidden: torch.Tensor | None        # [N, D] bf16, kept only when capturing
+
+
+def mark_of(logits):
+    return getattr(logits, "_fused_logp", None)

@@ -1,0 +1,89 @@
+"""The worker-RPC surface (`LLM.collective_rpc(name)`; on a server `POST /collective_rpc`, dev mode only):
+
+- fused_logp_status: whether the op serves this worker's lm_head, its provenance, the lm_head fingerprint
+  (recomputed from the bytes now; it is the weight version compared with the trainer) and counters.
+- fused_logp_captured: the rows captured for audits (settings `capture: true`), every value JSON-safe.
+  `clear=True` (default) drains them; to lose nothing on a failing transport, read with `clear=False` and then
+  acknowledge what arrived with `fused_logp_captured_ack(n)`, which drops the oldest n rows.
+- fused_logp_programs: {vLLM request id: TransformProgram.to_dict()} of the requests scored since the last call.
+
+Captured rows name the request by vLLM's internal request id (the caller's id plus '-' and 8 characters);
+`same_request(captured_id, request_id)` matches them."""
+from __future__ import annotations
+
+import os
+
+from ..shared_contract.constants import CONTRACT_VERSION, TRANSFORM_PROGRAM_VERSION
+from . import capability
+from .weight_sync import heads, refresh_fingerprint
+
+
+def same_request(captured_id: str | None, request_id: str) -> bool:
+    """True when a captured row's (internal) request id belongs to the caller's request id: equal, or the
+    caller's id followed by '-' and vLLM's 8-character suffix."""
+    if captured_id is None:
+        return False
+    if captured_id == request_id:
+        return True
+    head, sep, tail = captured_id.rpartition("-")
+    return bool(sep) and head == request_id and len(tail) == 8
+
+
+def head_status(st) -> dict:
+    return {
+        "strict": st.settings.strict, "backend": st.settings.backend, "contract_version": CONTRACT_VERSION,
+        "provenance": st.provenance, "fallback": st.fallback, "non_contract": sorted(st.notes),
+        "op_calls": st.op_calls, "rows_rescored": st.rows_rescored, "rows_program": st.rows_program,
+        "transform_program_version": TRANSFORM_PROGRAM_VERSION,
+        "fingerprint": st.fingerprint, "weight_version": st.fingerprint,
+        "fingerprint_changes": st.fingerprint_changes,
+        "capture": st.settings.capture, "captured_rows": len(st.captured), "capture_limit": st.captured.limit,
+        "captured_dropped": st.captured.dropped,
+    }
+
+
+def fused_logp_status(self) -> dict:
+    hs = heads(self)
+    out = {"active": bool(hs), "pid": os.getpid(), "rank": getattr(self, "rank", None),
+           "vllm_hooks": capability.detect().summary(), "heads": []}
+    for st in hs:
+        refresh_fingerprint(st)
+        out["heads"].append(head_status(st))
+    return out
+
+
+def fused_logp_captured(self, clear: bool = True) -> list:
+    rows = []
+    for st in heads(self):
+        rows += st.captured.take() if clear else st.captured.peek()
+    return rows
+
+
+def fused_logp_captured_ack(self, n: int) -> int:
+    """Drop the oldest n captured rows (after a `clear=False` read arrived); returns how many are left."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"fused_logp_captured_ack: n must be an integer >= 0; got {n!r}")
+    left = 0
+    for st in heads(self):
+        st.captured.take(n)
+        left += len(st.captured)
+    return left
+
+
+def fused_logp_programs(self, clear: bool = True) -> dict:
+    out = {}
+    for st in heads(self):
+        out.update(st.programs)
+        if clear:
+            st.programs = {}
+    return out
+
+
+RPCS = (fused_logp_status, fused_logp_captured, fused_logp_captured_ack, fused_logp_programs)
+
+
+def install() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    for fn in RPCS:
+        setattr(WorkerBase, fn.__name__, fn)

@@ -1,0 +1,146 @@
+"""The V1 sampler surface (vllm/v1/sample/sampler.py: CPU and the classic GPU runner, VLLM_USE_V2_MODEL_RUNNER=0).
+
+After vLLM samples, every logprob column (sampled token in column 0, top-k or requested ids after it) is replaced
+by the contract logp of that id at the row's scoring temperature, computed from the head's FP32 logits. V1 divides
+FP32 logits by T in place, so they are cloned first. A request with a transform program is sampled from its kept
+set: vLLM's top-k / top-p / min-p are turned off for that row and every logit outside the set is -inf before
+vLLM's greedy / temperature / draw (Sampler.sample). The runner's `_sample` wrapper publishes each row's request
+id and program."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .policy import transform_program
+from .scoring import check_sampled, effective_temperature, kept_rows, program_groups, rescore
+from .state import ROW_PROGRAMS, ROW_REQS, SAMPLE_KEEP, mark_of
+
+
+def _min_p(md):
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    for proc in md.logitsprocs.argmax_invariant:
+        if isinstance(proc, MinPLogitsProcessor):
+            return proc
+    return None
+
+
+def non_contract_flags(md) -> list[str]:
+    """What vLLM will apply to this batch that the contract does not replay."""
+    r = []
+    if not md.all_greedy and (md.top_k is not None or md.top_p is not None):
+        r.append("top-k/top-p")
+    mp = _min_p(md)
+    if not md.all_greedy and mp is not None and mp.min_p_count and bool((mp.min_p != 0).any()):
+        r.append("min-p")
+    if not md.no_penalties:
+        r.append("penalties")
+    if md.bad_words_token_ids:
+        r.append("bad_words")
+    if md.allowed_token_ids_mask is not None:
+        r.append("allowed_token_ids")
+    return r
+
+
+def neutralise(md, groups: dict, vocab: int):
+    """SamplingMetadata with vLLM's top-k / top-p off for the program rows (other rows keep theirs), and the
+    min-p processor's per-row tensor with those rows at 0; returns (metadata, restore)."""
+    rows = sorted(r for rs in groups.values() for r in rs)
+    top_k, top_p = md.top_k, md.top_p
+    if top_k is not None:
+        idx = torch.tensor(rows, dtype=torch.int64, device=top_k.device)
+        top_k = top_k.clone().index_fill_(0, idx, vocab)
+        top_k = None if bool((top_k >= vocab).all()) else top_k
+    if top_p is not None:
+        idx = torch.tensor(rows, dtype=torch.int64, device=top_p.device)
+        top_p = top_p.clone().index_fill_(0, idx, 1.0)
+        top_p = None if bool((top_p >= 1.0).all()) else top_p
+    mp = _min_p(md)
+    restore = None
+    if mp is not None and mp.min_p_count and mp.min_p.shape[0] > max(rows):
+        saved = mp.min_p
+        idx = torch.tensor(rows, dtype=torch.int64, device=saved.device)
+        mp.min_p = saved.clone().index_fill_(0, idx, 0.0)
+
+        def put_back():
+            mp.min_p = saved
+        restore = put_back
+    return dataclasses.replace(md, top_k=top_k, top_p=top_p), restore
+
+
+def install_sampler() -> None:
+    from vllm.v1.sample.sampler import Sampler
+
+    orig_forward = Sampler.forward
+    orig_sample = Sampler.sample
+
+    @functools.wraps(orig_forward)
+    def forward(self, logits, sampling_metadata, *args, **kwargs):
+        mark = mark_of(logits)
+        if mark is None:
+            return orig_forward(self, logits, sampling_metadata, *args, **kwargs)
+        md = sampling_metadata
+        programs = ROW_PROGRAMS.get()
+        if programs is not None and len(programs) != logits.shape[0]:
+            if program_groups(programs, logits.shape[1]):
+                raise RuntimeError(f"fused_logp: {logits.shape[0]} sampler rows for {len(programs)} requests; "
+                                   f"transform programs cannot be mapped to rows")
+            programs = None
+        groups = program_groups(programs, logits.shape[1])
+        keep = kept_rows(logits, groups)              # on the unscaled FP32 logits, before vLLM touches them
+        restore = None
+        if keep is not None:
+            md, restore = neutralise(md, groups, logits.shape[1])
+        mark.state.note(non_contract_flags(md))
+        want = md.max_num_logprobs is not None or bool(md.logprob_token_ids)
+        z = logits.clone() if want else None          # the sampler divides FP32 logits by T in place
+        token = SAMPLE_KEEP.set(keep)
+        try:
+            out = orig_forward(self, logits, md, *args, **kwargs)
+        finally:
+            SAMPLE_KEEP.reset(token)
+            if restore is not None:
+                restore()
+        if keep is not None:
+            check_sampled(keep, out.sampled_token_ids[:, 0], groups, mark)
+        if want and out.logprobs_tensors is not None:
+            t = effective_temperature(md.temperature, z.shape[0], z.device)
+            out.logprobs_tensors = rescore(out.logprobs_tensors, z, t, mark, req_ids=ROW_REQS.get(),
+                                           programs=programs)
+        return out
+
+    @functools.wraps(orig_sample)
+    def sample(self, logits, sampling_metadata, *args, **kwargs):
+        keep = SAMPLE_KEEP.get()
+        if keep is not None and keep.shape == logits.shape:
+            # after vLLM's raw logprobs (its top-k columns rank the full row), before greedy/temperature/draw
+            logits = logits.masked_fill_(~keep, float("-inf"))
+        return orig_sample(self, logits, sampling_metadata, *args, **kwargs)
+
+    Sampler.forward = forward
+    Sampler.sample = sample
+
+
+def install_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_sample = GPUModelRunner._sample
+
+    @functools.wraps(orig_sample)
+    def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
+        if mark_of(logits) is None:
+            return orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
+        req_ids = list(self.input_batch.req_ids)
+        programs = [None if self.requests.get(r) is None else transform_program(self.requests[r].sampling_params)
+                    for r in req_ids]
+        token = ROW_REQS.set(req_ids)
+        ptoken = ROW_PROGRAMS.set(None if spec_decode_metadata is not None else programs)
+        try:
+            return orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
+        finally:
+            ROW_PROGRAMS.reset(ptoken)
+            ROW_REQS.reset(token)
+
+    GPUModelRunner._sample = _sample

