@@ -27,7 +27,7 @@ test-slow: $(STAMP)
 
 # On an SM90 machine (H100/H200) with torch and nvcc but no package index: the checkout runs as it is (src/ on
 # PYTHONPATH, nothing installed); the extension builds on first use.
-GPU_TESTS := tests/test_sm90.py tests/test_backward_gpu.py tests/test_transforms_gpu.py tests/test_fingerprint_gpu.py
+GPU_TESTS := tests/test_sm90.py tests/test_backward_gpu.py tests/test_transforms_gpu.py tests/test_fingerprint_gpu.py tests/test_edges_gpu.py
 GPU_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests PYTHONUNBUFFERED=1
 
 test-gpu:

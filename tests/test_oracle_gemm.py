@@ -1,20 +1,24 @@
 """CONTRACT.md section 2: the oracle's logits follow the Hopper k16 rule, checked against an independent
-integer transcription of the rule (tests/contract_reference.py)."""
+exact-rational transcription of the rule (tests/gemm_reference.py; the edges are in test_contract_edges.py)."""
 import numpy as np
 import pytest
 import torch
 
 from fused_logp.kernel.oracle import hopper_logits
 
-import contract_reference as ref
+import gemm_reference as ref
+
+
+def _bits16(x):
+    return x.contiguous().view(torch.int16).numpy().view(np.uint16).tolist()
 
 
 def _compare(h, w):
-    got = hopper_logits(h, w).numpy()
-    want = ref.logits(h, w)
-    mism = np.flatnonzero(got.view(np.int32) != want.view(np.int32))
+    got = hopper_logits(h, w).numpy().view(np.uint32)
+    want = np.array(ref.logits_bits(_bits16(h), _bits16(w)), dtype=np.uint32)
+    mism = np.flatnonzero(got != want)
     assert mism.size == 0, f"{mism.size} mismatches; first at {np.unravel_index(mism[0], got.shape)}: " \
-                           f"{got.flat[mism[0]]!r} vs {want.flat[mism[0]]!r}"
+                           f"{got.flat[mism[0]]:#010x} vs {want.flat[mism[0]]:#010x}"
 
 
 @pytest.mark.parametrize("d", [16, 32, 64, 256])
@@ -66,12 +70,17 @@ def test_logit_depends_only_on_its_row_and_column(gen):
     assert torch.equal(full[[4, 1]][:, [49, 7, 8, 0]].view(torch.int32), part.view(torch.int32))
 
 
-def test_nonfinite_inputs_follow_ieee(gen):
+def test_nonfinite_inputs(gen):
+    """An infinite product decides its group and every later one (+inf and -inf together, inf * 0 or a NaN
+    give NaN, 0x7FFFFFFF); other rows are unaffected."""
     h = torch.randn(3, 32, generator=gen).bfloat16()
     w = torch.randn(4, 32, generator=gen).bfloat16()
+    w[1, 3] = 0
     h[0, 3] = float("inf")
     h[1, 5] = float("nan")
     z = hopper_logits(h, w)
-    assert torch.isinf(z[0]).all() or torch.isnan(z[0]).any()
-    assert torch.isnan(z[1]).all()
+    sign = torch.sign(w[:, 3].float())
+    assert torch.equal(z[0, [0, 2, 3]], sign[[0, 2, 3]] * float("inf")) and torch.isnan(z[0, 1])
+    assert (z[1].view(torch.int32) == 0x7FFFFFFF).all()
     assert torch.isfinite(z[2]).all()
+    _compare(h, w)
