@@ -1,5 +1,16 @@
-"""CPU oracle throughput: rows per second for a small head (D=256, V=4096) and seconds for one Qwen3-8B row
-(D=4096, V=151936). Prints one table and writes JSON (machine, date, figures) next to it."""
+"""CPU oracle throughput: the numpy oracle (`oracle`) against the compiled one (`oracle-fast`), same run, same inputs.
+
+Cases (rows/s of the whole op, linear_logp: GEMM, tile statistics, merge):
+  * the embedded default of `fused-logp demo`: N=12, D=256, V=4000 (weight padded to 4096 rows), T=0.7;
+  * the Qwen3-8B head: D=4096, V=151936, T=0.7. The numpy oracle is timed on 1 row over the first
+    --numpy-qwen-cols columns of the vocabulary and extrapolated linearly to V (its cost is per (row, column));
+    the fast one runs the whole vocabulary at N=1, 8 and 64 rows per call.
+
+Each figure is the median of --reps calls after one warm-up call. The machine is shared, so besides wall time the
+script records the process CPU seconds of each call and the load average: CPU seconds / threads is what the call
+would take on otherwise idle cores. Before timing, both backends' logp/lse bytes are compared on the timed inputs.
+Writes JSON (and prints a table); `--log` names a copy of the printed table.
+"""
 from __future__ import annotations
 
 import argparse
@@ -13,43 +24,126 @@ import time
 import torch
 
 from fused_logp import linear_logp
+from fused_logp.kernel.backends import get_backend
 
 
 def _time(fn, reps):
-    out = []
+    fn()                                                  # warm-up (and the first-use build of the extension)
+    walls, cpus = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def _same(a, b):
+    return torch.equal(a.logp.view(torch.int32), b.logp.view(torch.int32)) and \
+        torch.equal(a.lse.view(torch.int32), b.lse.view(torch.int32))
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", default="bench/results/oracle-cpu.json")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results/oracle-cpu-2026-12-01.json")
+    p.add_argument("--log", default=None, help="also write the printed table here")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--numpy-qwen-cols", type=int, default=9728, help="columns the numpy oracle computes at Qwen3-8B")
+    p.add_argument("--qwen-rows", default="1,8,64", help="rows per call for the fast oracle at Qwen3-8B")
     p.add_argument("--skip-qwen", action="store_true")
     args = p.parse_args()
-    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    fast = get_backend("oracle-fast")
+    ok, why = fast.available()
+    if not ok:
+        raise SystemExit(f"oracle-fast is unavailable: {why}")
     rows = []
-    h = torch.randn(64, 256, generator=g).bfloat16()
-    w = (torch.randn(4096, 256, generator=g) * 0.05).bfloat16()
-    t = torch.randint(0, 4096, (64,), generator=g)
-    linear_logp(h[:1], w, t[:1])
-    s = _time(lambda: linear_logp(h, w, t), 3)
-    rows.append({"case": "small head D=256 V=4096, 64 rows", "seconds": s, "rows_per_s": 64 / s, "ms_per_row": 1e3 * s / 64})
+    lines = []
+
+    def record(case, backend, n_rows, wall, cpu, note=""):
+        r = {"case": case, "backend": backend, "rows": n_rows, "seconds": wall, "cpu_seconds": cpu,
+             "rows_per_s": n_rows / wall, "ms_per_row": 1e3 * wall / n_rows,
+             "rows_per_s_idle_cores": n_rows / (cpu / threads), "note": note}
+        rows.append(r)
+        return r
+
+    # --- embedded default ------------------------------------------------------------------------------------
+    g = torch.Generator().manual_seed(20261130)
+    n, d, v, vp = 12, 256, 4000, 4096
+    h = torch.randn(n, d, generator=g).bfloat16()
+    w = (torch.randn(vp, d, generator=g) * 0.05).bfloat16()
+    w[v:] = 0
+    t = torch.randint(0, v, (n,), generator=g)
+    ref = linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle")
+    got = linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle-fast")
+    equal_default = _same(ref, got)
+    a = record("embedded default N=12 D=256 V=4000", "oracle",
+               n, *_time(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle"), args.reps))
+    b = record("embedded default N=12 D=256 V=4000", "oracle-fast",
+               n, *_time(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle-fast"), args.reps))
+    ratios = {"embedded default": b["rows_per_s"] / a["rows_per_s"]}
+
+    # --- Qwen3-8B head ---------------------------------------------------------------------------------------
+    equal_qwen = None
     if not args.skip_qwen:
-        hq = torch.randn(1, 4096, generator=g).bfloat16()
-        wq = (torch.randn(151936, 4096, generator=g) * 0.02).bfloat16()
-        s = _time(lambda: linear_logp(hq, wq, torch.tensor([7])), 1)
-        rows.append({"case": "Qwen3-8B head D=4096 V=151936, 1 row", "seconds": s, "rows_per_s": 1 / s, "ms_per_row": 1e3 * s})
-    print(f"{'case':45s} {'seconds':>9s} {'rows/s':>9s} {'ms/row':>9s}")
+        d, v = 4096, 151936
+        wq = (torch.randn(v, d, generator=g) * 0.02).bfloat16()
+        hq = torch.randn(64, d, generator=g).bfloat16()
+        tq = torch.randint(0, v, (64,), generator=g)
+        cols = args.numpy_qwen_cols
+        tcol = torch.randint(0, cols, (1,), generator=g)
+        # bytes first: both backends on the numpy fraction (1 row, `cols` columns)
+        ref = linear_logp(hq[:1], wq[:cols], tcol, temperature=0.7, backend="oracle")
+        got = linear_logp(hq[:1], wq[:cols], tcol, temperature=0.7, backend="oracle-fast")
+        equal_qwen = _same(ref, got)
+        wall, cpu = _time(lambda: linear_logp(hq[:1], wq[:cols], tcol, temperature=0.7, backend="oracle"), args.reps)
+        scale = v / cols
+        a = record("Qwen3-8B head D=4096 V=151936", "oracle", 1, wall * scale, cpu * scale,
+                   f"1 row over {cols} of {v} columns, extrapolated x{scale:.2f}")
+        best = None
+        for nr in (int(x) for x in args.qwen_rows.split(",")):
+            r = record("Qwen3-8B head D=4096 V=151936", "oracle-fast", nr,
+                       *_time(lambda: linear_logp(hq[:nr], wq, tq[:nr], temperature=0.7, backend="oracle-fast"),
+                              args.reps), f"{nr} rows per call")
+            if nr == 1:
+                ratios["Qwen3-8B, 1 row per call"] = r["rows_per_s"] / a["rows_per_s"]
+            best = r if best is None or r["rows_per_s"] > best["rows_per_s"] else best
+        ratios[f"Qwen3-8B, {best['rows']} rows per call"] = best["rows_per_s"] / a["rows_per_s"]
+
+    load = os.getloadavg()
+    lines.append(f"threads {threads}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} (1/5/15 min), "
+                 f"extension {fast.describe()['build']}")
+    lines.append(f"bytes equal (logp, lse): embedded default {equal_default}, Qwen3-8B fraction {equal_qwen}")
+    lines.append(f"{'case':34s} {'backend':12s} {'rows':>5s} {'wall s':>9s} {'cpu s':>9s} {'rows/s':>10s} "
+                 f"{'ms/row':>10s} {'rows/s idle':>12s}  note")
     for r in rows:
-        print(f"{r['case']:45s} {r['seconds']:9.3f} {r['rows_per_s']:9.2f} {r['ms_per_row']:9.1f}")
-    result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "cpus": os.cpu_count(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        lines.append(f"{r['case']:34s} {r['backend']:12s} {r['rows']:5d} {r['seconds']:9.3f} {r['cpu_seconds']:9.3f} "
+                     f"{r['rows_per_s']:10.3f} {r['ms_per_row']:10.1f} {r['rows_per_s_idle_cores']:12.3f}  {r['note']}")
+    for k, x in ratios.items():
+        lines.append(f"ratio oracle-fast / oracle rows/s, {k}: {x:.0f}x")
+    text = "\n".join(lines)
+    print(text)
+    result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
+              "cpu": _cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__, "threads": threads,
+              "load_average": load, "bytes_equal": {"embedded_default": equal_default, "qwen_fraction": equal_qwen},
+              "rows": rows, "ratios": ratios, "extension": fast.describe()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    if args.log:
+        with open(args.log, "w") as f:
+            f.write(text + "\n")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -373,3 +373,9 @@ def test_audit_refuses_unusable_inputs_with_a_message(tmp_path, capsys):
                 "logp": torch.zeros(2)}, tmp_path / "cap.pt")
     assert main([str(tmp_path / "cap.pt"), "--weight", str(tmp_path / "w.pt"), "--no-progress"]) == 2
     assert "bfloat16" in capsys.readouterr().err
+
+
+def test_panel_decode_equals_the_scalar_decode(gen):
+    """The AVX-512 weight decode (load, 16 x 16 transpose, fields) against the scalar one on any bit pattern."""
+    w = _bf16_from_bits(torch.randint(0, 65536, (333, 64), generator=gen))
+    assert fast.extension().panel_decode_mismatches(w) == 0

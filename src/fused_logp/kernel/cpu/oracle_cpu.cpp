@@ -217,63 +217,89 @@ struct Panel {
   }
 };
 
-void decode_panel_scalar(const uint16_t* w, int d, int64_t v0, int lanes, Panel& p) {
-  int groups = d / KG;
-  for (int g = 0; g < groups; ++g) {
+void decode_panel_scalar(const uint16_t* w, int d, int64_t v0, int lanes, int g0, int g1, Panel& p) {
+  for (int g = g0; g < g1; ++g) {
     for (int l = 0; l < 16; ++l) {
       const uint16_t* row = w + (v0 + (l < lanes ? l : lanes - 1)) * int64_t(d) + g * KG;
       int m = 0;
       for (int k = 0; k < KG; ++k) {
         uint16_t b = row[k];
         int f = (b >> 7) & 0xFF;
-        size_t o = (size_t(g) * KG + k) * 16 + l;
+        size_t o = (size_t(g - g0) * KG + k) * 16 + l;
         p.mw[o] = ((b & 0x7F) | (f ? 0x80 : 0)) << PROD_PRESHIFT;
         p.ew[o] = (f ? f : 1) - 127;
         p.sw[o] = (b & 0x8000) ? -1 : 0;
         if (b & 0x8000) m |= 1 << k;
       }
-      p.wm[size_t(g) * 16 + l] = m;
+      p.wm[size_t(g - g0) * 16 + l] = m;
     }
   }
 }
 
 #if FL_HAVE_AVX512
-void decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, Panel& p) {
-  int groups = d / KG;
-  alignas(64) int32_t idx[16];
-  for (int l = 0; l < 16; ++l) idx[l] = (l < lanes ? l : lanes - 1) * d * 2;   // byte offsets of the rows
-  const __m512i vidx = _mm512_load_si512(idx);
+// Index vectors of the 16 x 16 int32 transpose: at block size b (8, 4, 2, 1) rows i and i + b (bit b of i
+// clear) exchange their off-diagonal b-column blocks; after the four sizes the matrix is transposed.
+struct TransposeIdx {
+  __m512i lo[4], hi[4];
+  TransposeIdx() {
+    for (int s = 0; s < 4; ++s) {
+      int b = 8 >> s;
+      alignas(64) int32_t a[16], c[16];
+      for (int x = 0; x < 16; ++x) {
+        bool first = (x % (2 * b)) < b;
+        a[x] = first ? x : 16 + (x - b);          // row i: keep its first block, take row j's first block
+        c[x] = first ? x + b : 16 + x;            // row j: take row i's second block, keep its second block
+      }
+      lo[s] = _mm512_load_si512(a);
+      hi[s] = _mm512_load_si512(c);
+    }
+  }
+};
+
+// Decodes groups [g0, g1) of a panel into p (indexed from g0); returns the lanes with an inf or NaN there.
+__mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, int g0, int g1, Panel& p) {
+  static const TransposeIdx T;
+  __mmask16 nonfinite = 0;
   const __m512i ff = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1), b127 = _mm512_set1_epi32(127);
   const __m512i f7 = _mm512_set1_epi32(0x7F), h80 = _mm512_set1_epi32(0x80), zero = _mm512_setzero_si512();
-  const char* base = reinterpret_cast<const char*>(w + v0 * int64_t(d));
-  for (int g = 0; g < groups; ++g) {
-    if ((g & 1) == 0 && g + 16 < groups)                 // the 16 rows stream in parallel: prefetch 8 lines ahead
-      for (int l = 0; l < 16; ++l) _mm_prefetch(base + idx[l] + size_t(g + 16) * KG * 2, _MM_HINT_T0);
-    __m512i m = zero;
-    for (int kp = 0; kp < KG; kp += 2) {
-      __m512i x = _mm512_i32gather_epi32(vidx, base + (size_t(g) * KG + kp) * 2, 1);   // elements kp, kp+1
-      for (int half = 0; half < 2; ++half) {
-        __m512i b = half ? _mm512_srli_epi32(x, 16) : _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF));
-        __m512i f = _mm512_and_si512(_mm512_srli_epi32(b, 7), ff);
-        __mmask16 nz = _mm512_cmpneq_epi32_mask(f, zero);
-        __m512i mag = _mm512_mask_or_epi32(_mm512_and_si512(b, f7), nz, _mm512_and_si512(b, f7), h80);
-        __m512i e = _mm512_sub_epi32(_mm512_max_epi32(f, one), b127);
-        __m512i s = _mm512_srai_epi32(_mm512_slli_epi32(b, 16), 31);
-        int k = kp + half;
-        size_t o = (size_t(g) * KG + k) * 16;
-        _mm512_storeu_si512(&p.mw[o], _mm512_slli_epi32(mag, PROD_PRESHIFT));
-        _mm512_storeu_si512(&p.ew[o], e);
-        _mm512_storeu_si512(&p.sw[o], s);
-        m = _mm512_or_si512(m, _mm512_slli_epi32(_mm512_and_si512(s, one), k));
+  const uint16_t* rows[16];
+  for (int l = 0; l < 16; ++l) rows[l] = w + (v0 + (l < lanes ? l : lanes - 1)) * int64_t(d);
+  for (int g = g0; g < g1; ++g) {
+    __m512i r[16];
+    for (int l = 0; l < 16; ++l)                   // lane l's 16 bf16 of this group, widened: r[l][k]
+      r[l] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + g * KG)));
+    for (int s = 0; s < 4; ++s) {
+      int b = 8 >> s;
+      for (int i = 0; i < 16; ++i) {
+        if (i & b) continue;
+        __m512i x = r[i], y = r[i + b];
+        r[i] = _mm512_permutex2var_epi32(x, T.lo[s], y);
+        r[i + b] = _mm512_permutex2var_epi32(x, T.hi[s], y);
       }
     }
-    _mm512_storeu_si512(&p.wm[size_t(g) * 16], m);
+    __m512i m = zero;                               // now r[k][lane]
+    for (int k = 0; k < KG; ++k) {
+      __m512i b = r[k];
+      __m512i f = _mm512_and_si512(_mm512_srli_epi32(b, 7), ff);
+      __m512i low = _mm512_and_si512(b, f7);
+      __m512i mag = _mm512_mask_or_epi32(low, _mm512_cmpneq_epi32_mask(f, zero), low, h80);
+      __m512i e = _mm512_sub_epi32(_mm512_max_epi32(f, one), b127);
+      __m512i sg = _mm512_srai_epi32(_mm512_slli_epi32(b, 16), 31);
+      nonfinite |= _mm512_cmpeq_epi32_mask(f, ff);
+      size_t o = (size_t(g - g0) * KG + k) * 16;
+      _mm512_storeu_si512(&p.mw[o], _mm512_slli_epi32(mag, PROD_PRESHIFT));
+      _mm512_storeu_si512(&p.ew[o], e);
+      _mm512_storeu_si512(&p.sw[o], sg);
+      m = _mm512_or_si512(m, _mm512_slli_epi32(_mm512_and_si512(sg, one), k));
+    }
+    _mm512_storeu_si512(&p.wm[size_t(g - g0) * 16], m);
   }
+  return nonfinite;
 }
 
 // One row, groups [g0, g1), 16 lanes; acc holds the 16 accumulators' bits in and out.
 inline void row_groups_avx512(const int32_t* hm, const int32_t* he, const int32_t* hs, const int32_t* hmask,
-                              const Panel& p, int g0, int g1, uint32_t* acc_io,
+                              const Panel& p, int g0, int g1, int pg0, uint32_t* acc_io,
                               const uint16_t* hbits, const uint16_t* w, int d, int64_t v0, int lanes) {
   const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), ff = _mm512_set1_epi32(0xFF);
   const __m512i b127 = _mm512_set1_epi32(127), man = _mm512_set1_epi32(0x7FFFFF), hid = _mm512_set1_epi32(0x800000);
@@ -283,9 +309,9 @@ inline void row_groups_avx512(const int32_t* hm, const int32_t* he, const int32_
   const __m512i floorv = _mm512_set1_epi32(EXP_FLOOR);
   __m512i acc = _mm512_loadu_si512(acc_io);
   for (int g = g0; g < g1; ++g) {
-    const int32_t* MW = &p.mw[size_t(g) * KG * 16];
-    const int32_t* EW = &p.ew[size_t(g) * KG * 16];
-    const int32_t* SW = &p.sw[size_t(g) * KG * 16];
+    const int32_t* MW = &p.mw[size_t(g - pg0) * KG * 16];
+    const int32_t* EW = &p.ew[size_t(g - pg0) * KG * 16];
+    const int32_t* SW = &p.sw[size_t(g - pg0) * KG * 16];
     const int32_t* hmg = hm + g * KG;
     const int32_t* heg = he + g * KG;
     const int32_t* hsg = hs + g * KG;
@@ -318,7 +344,7 @@ inline void row_groups_avx512(const int32_t* hm, const int32_t* he, const int32_
                                                            _mm512_set1_epi32(hsg[k + 1]), 0x96));
     }
     __m512i sum = _mm512_add_epi32(s0, s1);
-    __m512i nneg = _mm512_popcnt_epi32(_mm512_xor_si512(_mm512_loadu_si512(&p.wm[size_t(g) * 16]),
+    __m512i nneg = _mm512_popcnt_epi32(_mm512_xor_si512(_mm512_loadu_si512(&p.wm[size_t(g - pg0) * 16]),
                                                         _mm512_set1_epi32(hmask[g])));
     __m512i tc = _mm512_srlv_epi32(_mm512_slli_epi32(mc, ACC_PRESHIFT), _mm512_sub_epi32(emax, ec));
     __m512i small = _mm512_add_epi32(_mm512_sub_epi32(_mm512_xor_si512(tc, sc), sc), nneg);
@@ -378,6 +404,28 @@ std::vector<uint8_t> nonfinite_lines(const uint16_t* x, int64_t n, int d) {
   return bad;
 }
 
+// Tests: the AVX-512 panel decode against the scalar one over every panel of a weight; the count that differ.
+int64_t panel_decode_mismatches(torch::Tensor weight) {
+  int64_t bad = 0;
+#if FL_HAVE_AVX512
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "weight must be bf16 [V, D]");
+  weight = weight.contiguous();
+  const int d = int(weight.size(1));
+  const int64_t v = weight.size(0);
+  const uint16_t* W = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  Panel a, b;
+  a.resize(d / KG);
+  b.resize(d / KG);
+  for (int64_t v0 = 0; v0 < v; v0 += 16) {
+    int lanes = int(std::min<int64_t>(16, v - v0));
+    decode_panel_avx512(W, d, v0, lanes, 0, d / KG, a);
+    decode_panel_scalar(W, d, v0, lanes, 0, d / KG, b);
+    bad += (a.mw != b.mw) + (a.ew != b.ew) + (a.sw != b.sw) + (a.wm != b.wm);
+  }
+#endif
+  return bad;
+}
+
 torch::Tensor check_bf16(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, " must be bfloat16");
@@ -419,30 +467,33 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
       decode_row(H + r * d, d, &hm[r * d], &he[r * d], &hs[r * d], &hmask[r * groups]);
   });
   const int64_t panels = (ncols + 15) / 16;
-  // Groups per pass over the rows: the panel slice stays in L1 (3 arrays * 16 * 16 * 4 B = 3 KiB a group).
+  // Groups decoded and then applied to every row before the next ones: the decoded slice stays in L1
+  // (3 arrays * 16 * 16 * 4 B = 3 KiB a group).
   const int GC = 8;
+  std::vector<uint8_t> wbad(ncols, 0);
   at::parallel_for(0, panels, 1, [&](int64_t pb, int64_t pe) {
     Panel p;
-    p.resize(groups);
+    p.resize(GC);
     std::vector<uint32_t> acc(size_t(n) * 16);
     for (int64_t pi = pb; pi < pe; ++pi) {
       int64_t v0 = pi * 16;
       int lanes = int(std::min<int64_t>(16, ncols - v0));
-      decode_panel_avx512(W, d, v0, lanes, p);
       std::fill(acc.begin(), acc.end(), 0u);
+      unsigned bad_lanes = 0;
       for (int g0 = 0; g0 < groups; g0 += GC) {
         int g1 = std::min(groups, g0 + GC);
+        bad_lanes |= decode_panel_avx512(W, d, v0, lanes, g0, g1, p);
         for (int64_t r = 0; r < n; ++r)
-          row_groups_avx512(&hm[r * d], &he[r * d], &hs[r * d], &hmask[r * groups], p, g0, g1, &acc[r * 16],
+          row_groups_avx512(&hm[r * d], &he[r * d], &hs[r * d], &hmask[r * groups], p, g0, g1, g0, &acc[r * 16],
                             H + r * d, W, d, v0, lanes);
       }
       for (int64_t r = 0; r < n; ++r)
         std::memcpy(Z + r * ncols + v0, &acc[r * 16], size_t(lanes) * 4);
+      for (int l = 0; l < lanes; ++l) wbad[v0 + l] = (bad_lanes >> l) & 1;
     }
   });
   // pairs with a non-finite input: the scalar rule (IEEE where an operand or c is not finite)
   auto hbad = nonfinite_lines(H, n, d);
-  auto wbad = nonfinite_lines(W, ncols, d);
   std::vector<int64_t> brows, bcols;
   for (int64_t r = 0; r < n; ++r) if (hbad[r]) brows.push_back(r);
   for (int64_t c = 0; c < ncols; ++c) if (wbad[c]) bcols.push_back(c);
@@ -583,5 +634,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract_exp", [](torch::Tensor x) { return map_f32(x, false); });
   m.def("contract_log", [](torch::Tensor x) { return map_f32(x, true); });
   m.def("contract_constants", &contract_constants);
+  m.def("panel_decode_mismatches", &panel_decode_mismatches);
   m.def("vector_isa", []() { return std::string(FL_HAVE_AVX512 ? "avx512" : "scalar"); });
 }
