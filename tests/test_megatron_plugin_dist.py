@@ -183,6 +183,22 @@ def _cp_checks(rank, res):
     res["cp_rows_equal"] = torch.equal(out.logp, mine["logp"]) and torch.equal(out.lse, mine["lse"])
     res["cp_gather_equal"] = torch.equal(mp.gather_context_parallel(out.logp, cp_group), full_logp)
 
+    # the scoring API under CP=2: full sequences in, Megatron's load-balanced split, results back in sequence order.
+    # (The local layer spec has no context-parallel attention, so each rank's attention sees its own chunks only:
+    # this checks the API's row bookkeeping around the op, not attention.)
+    mp.configure(None)
+    wrapped, gpt = ms.build_tiny_gpt(vocab_size=PADDED, tied=True, seed=6)
+    tokens = ms.token_batch(B, S, REAL, seed=31)[0]
+    cap = ms.CaptureFinalHidden(gpt)
+    sc = mp.score(wrapped, tokens, temperature=T, vocab_size=REAL)
+    cap.remove()
+    h_full = mp.gather_context_parallel(cap.value.detach().transpose(0, 1).contiguous(), cp_group)   # [b, s, d]
+    keep = sc.loss_mask != 0
+    ref = fused_logp.linear_logp(h_full[keep], ms.lm_head_weight(gpt).detach(), sc.targets[keep], temperature=T,
+                                 vocab_size=REAL)
+    res["cp_score_shape"] = tuple(sc.logp.shape) == (B, S) and torch.equal(sc.targets[:, :-1], tokens[:, 1:])
+    res["cp_score_equal_op"] = torch.equal(sc.logp[keep], ref.logp) and torch.equal(sc.lse[keep], ref.lse)
+
 
 def worker(rank, port, outdir):
     warnings.filterwarnings("ignore")
@@ -245,6 +261,6 @@ def test_fingerprint_shard_invariant(results):
     assert results[0]["fingerprint_tp2"] == results[1]["fingerprint_tp2"] == results[0]["fingerprint_tp1"]
 
 
-@pytest.mark.parametrize("key", ["cp_rows_equal", "cp_gather_equal"])
+@pytest.mark.parametrize("key", ["cp_rows_equal", "cp_gather_equal", "cp_score_shape", "cp_score_equal_op"])
 def test_context_parallel_row_ownership(results, key):
     assert all(r[key] for r in results)
