@@ -5,9 +5,18 @@ import torch
 
 from fused_logp import linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats
 from fused_logp.kernel.oracle import hopper_logits
+from fused_logp.shared_contract.config import Config, set_config
 
 import contract_reference as ref
 from helpers import bits_equal
+
+
+@pytest.fixture(autouse=True, params=["oracle", "oracle-fast"])
+def cpu_backend(request, _fresh_config):
+    """Every sentence here is checked on both contract-bearing CPU backends: the numpy oracle and the compiled one."""
+    set_config(Config(backend=request.param))
+    yield request.param
+
 
 V, D = 1000, 64       # 16 tiles, the last one ragged (1000 = 15*64 + 40)
 

@@ -1,14 +1,25 @@
 """Property-based checks (hypothesis) over shapes, shards, temperatures and targets."""
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fused_logp import linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats
+from fused_logp.shared_contract.config import Config, set_config
 
 from helpers import bits_equal
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+@pytest.fixture(autouse=True, params=["oracle", "oracle-fast"])
+def cpu_backend(request, _fresh_config):
+    """Every sentence here is checked on both contract-bearing CPU backends: the numpy oracle and the compiled one."""
+    set_config(Config(backend=request.param))
+    yield request.param
+
+
+SETTINGS = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @st.composite
