@@ -72,6 +72,17 @@ def test_kernel_equals_oracle_on_whole_range_draws(gen):
         assert _same(got.logits, _cublas(h.cuda(), w.cuda()), exact=True), f"K={k} cuBLAS"
 
 
+def test_host_temperature_with_device_inputs_is_refused_at_the_call():
+    """CONTRACT.md section 0.1: a value already on the host is checked there, before any launch."""
+    from fused_logp.shared_contract.errors import ContractInputError
+
+    h = torch.randn(3, 32).bfloat16().cuda()
+    w = torch.randn(100, 32).bfloat16().cuda()
+    with pytest.raises(ContractInputError, match=r"temperature must be finite and > 0"):
+        linear_logp(h, w, torch.tensor([1, 2, 3]).cuda(), temperature=torch.tensor([1.0, 0.0, 1.0]),
+                    backend="sm90")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # invalid per-row values on the device: child processes
 # ---------------------------------------------------------------------------------------------------------
