@@ -4,7 +4,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels clean
+.PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels clean
+
+# The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
+# ninja (a pip dependency); the numpy oracle needs neither.
+cxx-check:
+	@command -v $${CXX:-c++} >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { \
+		echo "make: no C++ compiler (c++ or g++) on PATH. The compiled CPU oracle (backend oracle-fast, fused-logp audit)"; \
+		echo "      is built with it on first use. Install one, e.g. 'sudo apt-get install g++' on Debian/Ubuntu, and run make again."; \
+		exit 1; }
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,10 +24,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) cxx-check
 	$(VENV)/bin/fused-logp demo
 
-test: $(STAMP)
+test: $(STAMP) cxx-check
 	$(PY) -m pytest -q -ra
 
 test-slow: $(STAMP)

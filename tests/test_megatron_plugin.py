@@ -566,3 +566,23 @@ def test_check_model_at_setup(untied):
             mp.check_model(wrapped)
     finally:
         gpt.config = saved
+
+
+def test_unlabelled_call_with_plugin_on_is_said_once(tied, caplog):
+    """An RL framework's log-prob step calls the model without labels: Megatron's logits come back, and the log
+    says so (once) and points at the scoring API."""
+    import logging
+
+    from fused_logp.megatron_plugin import hook
+
+    wrapped, _ = tied
+    ids, pos, mask, _ = ms.batch(B, S, REAL)
+    mp.configure("contract", vocab_size=REAL)
+    mp.install()
+    hook._warned_unlabelled = False
+    with caplog.at_level(logging.WARNING, logger="fused_logp"), torch.no_grad():
+        logits = wrapped(ids, pos, mask)
+        wrapped(ids, pos, mask)
+    assert logits.shape == (B, S, PADDED)
+    said = [r for r in caplog.records if "without labels" in r.getMessage()]
+    assert len(said) == 1 and "megatron_plugin.score" in said[0].getMessage()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 
 from .guards import check_config
@@ -20,6 +21,19 @@ from .settings import LogpSettings, active_call_settings, check_backend_allowed,
 
 _ATTR = "_fused_logp_settings"
 _lock = threading.Lock()
+_warned_unlabelled = False
+log = logging.getLogger("fused_logp")
+
+
+def _note_unlabelled_call():
+    """An unlabelled, non-inference forward with the plugin on gets Megatron's logits, not the contract's logp
+    (an RL framework's log-prob step looks like this): said once per process."""
+    global _warned_unlabelled
+    if not _warned_unlabelled:
+        _warned_unlabelled = True
+        log.warning("fused_logp: a GPTModel forward without labels returns Megatron's own logits, not the contract "
+                    "op's logp (the plugin needs the target ids); for RL log-probs call "
+                    "fused_logp.megatron_plugin.score(model, tokens, targets, temperature=...)")
 _installed: dict = {}          # attribute name -> original function
 
 
@@ -93,6 +107,9 @@ def _make_postprocess(orig):
                       runtime_gather_output=runtime_gather_output, extra_block_kwargs=extra_block_kwargs,
                       inference_context=inference_context, **kw)
         settings = settings_for(self)
+        if settings.enabled and labels is None and inference_context is None and inference_params is None \
+                and self.post_process:
+            _note_unlabelled_call()
         if not settings.enabled or labels is None or inference_context is not None or not self.post_process:
             return orig(self, *args, **kwargs)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
@@ -120,10 +137,12 @@ def _make_forward(orig):
         settings = settings_for(self)
         if settings.enabled and kwargs.get("output_processor") is None:
             bound = sig.bind_partial(self, *args, **kwargs).arguments
-            if bound.get("labels") is not None and bound.get("inference_context") is None \
-                    and bound.get("inference_params") is None:
-                kwargs["output_processor"] = logp_output_processor
-                kwargs["output_processor_context"] = settings
+            if bound.get("inference_context") is None and bound.get("inference_params") is None:
+                if bound.get("labels") is not None:
+                    kwargs["output_processor"] = logp_output_processor
+                    kwargs["output_processor_context"] = settings
+                elif self.post_process:
+                    _note_unlabelled_call()
         if kwargs.get("output_processor") is logp_output_processor:
             check_config(self.config)       # _postprocess runs the MTP block and loss before output_processor
         return orig(self, *args, **kwargs)
