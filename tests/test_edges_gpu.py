@@ -72,6 +72,27 @@ def test_kernel_equals_oracle_on_whole_range_draws(gen):
         assert _same(got.logits, _cublas(h.cuda(), w.cuda()), exact=True), f"K={k} cuBLAS"
 
 
+@pytest.mark.parametrize("zero", [0.0, -0.0])
+def test_zero_product_keeps_its_nominal_exponent(zero):
+    """CONTRACT.md section 2, step 2: a zero product keeps its nominal exponent e_a + e_b in emax. Here 0 * 2^100
+    (nominal -26) against 15 products of 1.5 * 2^-53 (nominal -53): taking part, it sets the grid to 2^-51 and the
+    small products truncate to +0; left out, the sum would be 22.5 * 2^-53. The captured edge classes do not
+    tell these apart; this input does."""
+    h = torch.zeros(2, 16)
+    w = torch.ones(3, 16)
+    h[:, 0] = zero
+    h[:, 1:] = 1.5 * 2.0 ** -53
+    w[:, 0] = 2.0 ** 100
+    w[1, 0] = -(2.0 ** 100)
+    w[2, 0] = 2.0 ** -100                              # nominal -226: no part in emax either way
+    h, w = h.bfloat16(), w.bfloat16()
+    want = linear_logp(h, w, torch.tensor([0, 1]), return_logits=True, backend="oracle", strict=True).logits
+    assert (want[:, :2] == 0).all() and (want[:, 2] == 22.5 * 2.0 ** -53).all()
+    got = linear_logp(h.cuda(), w.cuda(), torch.tensor([0, 1]).cuda(), return_logits=True, backend="sm90").logits
+    assert _same(got, want, exact=True), (got.cpu().view(torch.int32), want.view(torch.int32))
+    assert _same(_cublas(h.cuda(), w.cuda()), want, exact=True)
+
+
 def test_host_temperature_with_device_inputs_is_refused_at_the_call():
     """CONTRACT.md section 0.1: a value already on the host is checked there, before any launch."""
     from fused_logp.shared_contract.errors import ContractInputError
