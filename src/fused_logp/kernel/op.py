@@ -129,6 +129,8 @@ def _temperature_tensor(temperature, n, device):
                                      f"{tuple(temperature.shape)}")
         if not temperature.is_floating_point():
             raise ContractInputError(f"temperature must be a floating tensor; got {temperature.dtype}")
+        if device.type == "cpu":                       # a CPU call: the values come to the host anyway
+            temperature = temperature.cpu()
         on_host = temperature.device.type == "cpu"
         t = temperature.to(dtype=torch.float32) if on_host else temperature.to(device=device, dtype=torch.float32)
         ok = torch.isfinite(t) & (t > 0)
