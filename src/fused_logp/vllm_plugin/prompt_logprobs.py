@@ -84,12 +84,25 @@ def install_mrv2() -> None:
         temps = self.__dict__.get("_fused_logp_temperature", {})
         progs = self.__dict__.get("_fused_logp_programs", {})
         qsl = input_batch.query_start_loc_np
+        # vLLM scores every row of the batch and keeps, per request that wants prompt logprobs and is still in
+        # its prompt, the rows up to its last prompt position (the last query row predicts a sampled token);
+        # only those rows carry a request id (and are captured)
+        prompt_lens = kwargs.get("prompt_lens", args[2] if len(args) > 2 else None)
+        computed = getattr(input_batch, "num_computed_prefill_tokens_np", None)
+        scheduled = getattr(input_batch, "num_scheduled_tokens", None)
         rows, req_rows, prog_rows = [], [], []
         for i, req_id in enumerate(input_batch.req_ids):
             n = int(qsl[i + 1] - qsl[i])
             req_idx = int(input_batch.idx_mapping_np[i])
+            wanted = bool(uses[req_idx]) if uses is not None else True
+            real = n - 1
+            if prompt_lens is not None and computed is not None and scheduled is not None:
+                plen = int(prompt_lens[req_idx])
+                wanted = wanted and int(computed[i]) < plen
+                if int(computed[i]) + int(scheduled[i]) < plen:
+                    real = n                                  # a prompt chunk: every row is a prompt row
             rows += [temps.get(req_idx, 1.0)] * n
-            req_rows += [req_id] * n
+            req_rows += [req_id if wanted and j < real else None for j in range(n)]
             prog_rows += [progs.get(req_idx)] * n
         token = PROMPT_CTX.set(PromptCtx([], rows=rows, req_rows=req_rows, prog_rows=prog_rows))
         try:

@@ -98,6 +98,8 @@ def capture(st, hidden, temperature, ids, logp, req_ids, kind, programs=None):
     h = hidden.detach().cpu()
     t, i, lp = temperature.cpu().tolist(), ids.cpu().tolist(), logp.cpu().tolist()
     for r in range(len(i)):
+        if kind == "prompt" and (req_ids is None or req_ids[r] is None):
+            continue                              # a row vLLM scores but does not return
         prog = None if programs is None or programs[r] is None else programs[r].to_dict()
         st.captured.append({
             "kind": kind, "req_id": None if req_ids is None else req_ids[r],
