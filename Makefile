@@ -106,3 +106,26 @@ test-megatron-gpu:
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# vLLM 0.26 (CUDA 13 build) on the SM90 machine, which has no package index. Here: `make vllm-gpu-parts` downloads
+# vllm==0.26.0 and the import-time requirements the H200 image lacks (pinned in tools/vllm_gpu_parts.sh), slims the
+# vLLM wheel (FA3 kept; dense models on Hopper only) and cuts everything into parts under build/vllm-gpu/partNN plus
+# build/vllm-gpu/src.tar (this checkout's committed library, HEAD). There, one command per part, back to back (the
+# machine keeps /tmp only while warm), the last one running `make vllm-gpu` (docs/vllm.md, "GPU runs"):
+#   carry ["build/vllm-gpu/part01"]  bash build/vllm-gpu/part01/vstash.sh
+#   carry ["build/vllm-gpu/part02"]  bash build/vllm-gpu/part02/vstash.sh --final && make vllm-gpu OUT=$OUT
+VLLM_GPU_SRC := /tmp/fused_logp_src
+VLLM_GPU_ENV := PYTHONPATH=/tmp/vsite:$(VLLM_GPU_SRC)/src:$(CURDIR)/tests PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 NCCL_NVLS_ENABLE=0
+
+.PHONY: vllm-gpu-parts vllm-gpu
+vllm-gpu-parts:
+	bash tools/vllm_gpu_parts.sh $(CURDIR) --slim --download --part-mib 57
+	git archive --format=tar -o build/vllm-gpu/part01/src.tar HEAD src
+	ls -l build/vllm-gpu/*
+
+vllm-gpu:
+	test -f /tmp/vsite/.vllm_gpu_ready || { echo "vllm-gpu: no /tmp/vsite (send the parts first)"; exit 3; }
+	test -d $(VLLM_GPU_SRC) || { mkdir -p $(VLLM_GPU_SRC) && tar -xf build/vllm-gpu/part01/src.tar -C $(VLLM_GPU_SRC) 2>/dev/null \
+		|| tar -xf /tmp/vstash/src.tar -C $(VLLM_GPU_SRC); }
+	$(VLLM_GPU_ENV) $(PYTHON) -P bench/vllm_gpu.py all --out $${OUT:-out}/vllm-gpu
