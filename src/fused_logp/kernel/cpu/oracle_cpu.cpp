@@ -41,6 +41,9 @@ constexpr int KG = FL_K_GROUP;
 constexpr int FRAC = FL_ALIGN_FRAC_BITS;
 constexpr int EXP_FLOOR = FL_ALIGN_EXP_FLOOR;      // emax of a group is never below this; c = 0 brings no term
 constexpr uint32_t GEMM_NAN = uint32_t(FL_GEMM_NAN_BITS);
+// The exponent the decoded inputs give a zero: a product with a zero factor is no term and never sets emax
+// (its sum with any bf16 exponent stays far below EXP_FLOOR; its aligned value is 0 whatever the shift).
+constexpr int ZERO_EXP = -1000;
 static_assert(FL_ALIGN_EXP_FLOOR >= -133 && FL_ALIGN_EXP_FLOOR <= -126, "the alignment floor lies in the bf16 range");
 // A product of two 8-bit bf16 significands has 14 fractional bits; aligned to 25 fractional bits it is
 // shifted left by 11 before the right shift by (emax - e). A binary32 significand has 23: shifted left by 2.
@@ -140,8 +143,9 @@ uint32_t group_update(uint32_t c, const uint16_t* a, const uint16_t* b) {
   if (!c_zero && int(cfield ? cfield : 1) - 127 > emax) emax = int(cfield ? cfield : 1) - 127;
   for (int k = 0; k < KG; ++k) {
     int fa = (a[k] >> 7) & 0xFF, fb = (b[k] >> 7) & 0xFF;
+    bool zero = (a[k] & 0x7FFF) == 0 || (b[k] & 0x7FFF) == 0;       // a product with a zero factor: no term
     e[k] = (fa ? fa : 1) + (fb ? fb : 1) - 254;
-    if (e[k] > emax) emax = e[k];
+    if (!zero && e[k] > emax) emax = e[k];
   }
   int64_t total = 0;
   for (int k = 0; k < KG; ++k) {
@@ -170,7 +174,7 @@ uint32_t group_update(uint32_t c, const uint16_t* a, const uint16_t* b) {
   if (lead >= -126) return sign | (uint32_t(lead + 127) << 23) | uint32_t(mag & 0x7FFFFFu);
   int sh = -149 - exp;                                              // onto the subnormal grid 2^-149
   uint64_t sub = sh >= 64 ? 0 : (mag >> sh);
-  return sign | uint32_t(sub);
+  return sub ? (sign | uint32_t(sub)) : 0u;                         // truncated to zero: +0
 }
 
 uint32_t dot_scalar(const uint16_t* a, const uint16_t* b, int groups) {
@@ -203,7 +207,7 @@ void decode_row(const uint16_t* h, int d, int32_t* mag, int32_t* exp, int32_t* s
     uint16_t b = h[i];
     int f = (b >> 7) & 0xFF;
     mag[i] = (b & 0x7F) | (f ? 0x80 : 0);
-    exp[i] = (f ? f : 1) - 127;
+    exp[i] = (b & 0x7FFF) ? (f ? f : 1) - 127 : ZERO_EXP;
     sgn[i] = (b & 0x8000) ? -1 : 0;
     if (b & 0x8000) mask[i / KG] |= 1 << (i % KG);
   }
@@ -227,7 +231,7 @@ void decode_panel_scalar(const uint16_t* w, int d, int64_t v0, int lanes, int g0
         int f = (b >> 7) & 0xFF;
         size_t o = (size_t(g - g0) * KG + k) * 16 + l;
         p.mw[o] = ((b & 0x7F) | (f ? 0x80 : 0)) << PROD_PRESHIFT;
-        p.ew[o] = (f ? f : 1) - 127;
+        p.ew[o] = (b & 0x7FFF) ? (f ? f : 1) - 127 : ZERO_EXP;
         p.sw[o] = (b & 0x8000) ? -1 : 0;
         if (b & 0x8000) m |= 1 << k;
       }
@@ -260,6 +264,7 @@ struct TransposeIdx {
 __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, int g0, int g1, Panel& p) {
   static const TransposeIdx T;
   __mmask16 nonfinite = 0;
+  const __m512i x7fff = _mm512_set1_epi32(0x7FFF), zexp = _mm512_set1_epi32(ZERO_EXP);
   const __m512i ff = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1), b127 = _mm512_set1_epi32(127);
   const __m512i f7 = _mm512_set1_epi32(0x7F), h80 = _mm512_set1_epi32(0x80), zero = _mm512_setzero_si512();
   const uint16_t* rows[16];
@@ -284,6 +289,7 @@ __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, i
       __m512i low = _mm512_and_si512(b, f7);
       __m512i mag = _mm512_mask_or_epi32(low, _mm512_cmpneq_epi32_mask(f, zero), low, h80);
       __m512i e = _mm512_sub_epi32(_mm512_max_epi32(f, one), b127);
+      e = _mm512_mask_mov_epi32(e, _mm512_testn_epi32_mask(b, x7fff), zexp);
       __m512i sg = _mm512_srai_epi32(_mm512_slli_epi32(b, 16), 31);
       nonfinite |= _mm512_cmpeq_epi32_mask(f, ff);
       size_t o = (size_t(g - g0) * KG + k) * 16;
