@@ -405,3 +405,25 @@ def test_equals_h200_bytes(case, path):
     assert same_bytes(res.lse, as_f("lse")) and same_bytes(res.logp, as_f("logp"))
     res_t = linear_logp(h, w, t, temperature=torch.from_numpy(data[f"{case}__temps"]), backend="oracle-fast", strict=True)
     assert same_bytes(res_t.lse, as_f("lse_t")) and same_bytes(res_t.logp, as_f("logp_t"))
+
+
+def _edge_case_names():
+    from edge_inputs import CASES
+    return sorted(CASES)
+
+
+@pytest.mark.parametrize("case", _edge_case_names())
+def test_equals_numpy_oracle_on_fresh_edge_inputs(case, path):
+    """Every edge-class generator of tests/edge_inputs.py with a fresh seed: logits, lse and logp bytes."""
+    import secrets
+
+    from edge_inputs import make_case
+    seed = secrets.randbits(31)
+    _, h, w = make_case(case, seed, n=13, v=100)
+    t = torch.randint(0, 100, (13,))
+    temps = torch.rand(13) + 0.4
+    a = linear_logp(h, w, t, temperature=temps, return_logits=True, backend="oracle")
+    b = linear_logp(h, w, t, temperature=temps, return_logits=True, backend="oracle-fast")
+    bad = _logit_mismatches(b.logits, a.logits)
+    assert not bad.any(), f"{case} seed {seed}: {int(bad.sum())} logits differ"
+    assert same_bytes(b.logp, a.logp) and same_bytes(b.lse, a.lse), f"{case} seed {seed}"
