@@ -82,6 +82,20 @@ def main():
     b = record("embedded default N=12 D=256 V=4000", "oracle-fast",
                n, *_time(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle-fast"), args.reps))
     ratios = {"embedded default": b["rows_per_s"] / a["rows_per_s"]}
+    audits = {}
+
+    def audit_case(name, hh, ww, tt, vv, rows_per_batch):
+        """`fused-logp audit` throughput (fused_logp.audit.audit, no progress bar) on a capture recorded here."""
+        from fused_logp.audit import audit
+        rec = linear_logp(hh, ww, tt, temperature=0.7, vocab_size=vv, backend="oracle-fast")
+        cap = {"hidden": hh, "targets": tt, "logp": rec.logp, "lse": rec.lse,
+               "temperature": torch.full((hh.shape[0],), 0.7), "programs": [None] * hh.shape[0]}
+        rep = audit(cap, ww, vocab_size=vv, rows_per_batch=rows_per_batch, progress=False)
+        audits[name] = {k: rep[k] for k in ("rows", "values_checked", "logp_mismatches", "lse_mismatches",
+                                            "seconds", "rows_per_s")}
+
+    hb = torch.randn(240, 256, generator=g).bfloat16()
+    audit_case("embedded default head, 240 rows", hb, w, torch.randint(0, v, (240,), generator=g), v, 64)
 
     # --- Qwen3-8B head ---------------------------------------------------------------------------------------
     equal_qwen = None
@@ -109,6 +123,7 @@ def main():
                 ratios["Qwen3-8B, 1 row per call"] = r["rows_per_s"] / a["rows_per_s"]
             best = r if best is None or r["rows_per_s"] > best["rows_per_s"] else best
         ratios[f"Qwen3-8B, {best['rows']} rows per call"] = best["rows_per_s"] / a["rows_per_s"]
+        audit_case("Qwen3-8B head, 64 rows", hq, wq, tq, v, 64)
 
     load = os.getloadavg()
     lines.append(f"threads {threads}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} (1/5/15 min), "
@@ -121,12 +136,15 @@ def main():
                      f"{r['rows_per_s']:10.3f} {r['ms_per_row']:10.1f} {r['rows_per_s_idle_cores']:12.3f}  {r['note']}")
     for k, x in ratios.items():
         lines.append(f"ratio oracle-fast / oracle rows/s, {k}: {x:.0f}x")
+    for k, x in audits.items():
+        lines.append(f"audit ({k}): {x['rows']} rows, {x['logp_mismatches']} logp / {x['lse_mismatches']} lse "
+                     f"mismatches, {x['rows_per_s']:.2f} rows/s")
     text = "\n".join(lines)
     print(text)
     result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
               "cpu": _cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__, "threads": threads,
               "load_average": load, "bytes_equal": {"embedded_default": equal_default, "qwen_fraction": equal_qwen},
-              "rows": rows, "ratios": ratios, "extension": fast.describe()}
+              "rows": rows, "ratios": ratios, "audit": audits, "extension": fast.describe()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

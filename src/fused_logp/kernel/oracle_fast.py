@@ -19,6 +19,14 @@ shared_contract/constants.py and read back after the build (a mismatch makes the
 Batch invariance: a logit depends on its (row, column) pair only, a tile statistic on its (row, tile), the merge
 on its row; how rows and columns are split over threads changes no bit.
 
+Name and default: a separate name, `oracle-fast`, beside `oracle` (the numpy reference keeps its name, its golden
+entry and its role in the edge tests). It is selected by name (backend="oracle-fast", YAML `backend: oracle-fast`,
+FUSED_LOGP_BACKEND=oracle-fast) and is the audit's default; `auto` on CPU inputs still means the numpy oracle,
+because not every contract test runs on both yet: tests/test_contract.py, tests/test_properties.py and
+tests/test_oracle_fast.py (which compares it with the numpy oracle and the H200's captured bytes on every edge
+class) do, the oracle-internal rule tests (test_oracle_gemm, test_contract_edges' per-sentence checks) and the
+backend-policy tests that name 'oracle' do not.
+
 The build is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); it is compiled with
 -march=native, so the extension's name carries a digest of the CPU's feature flags (a cache shared by
 different CPUs never loads a build for another instruction set). Building needs g++ and ninja: without them
