@@ -112,7 +112,8 @@ fi
 # --- part size: a call carries the part plus the checkout's travelling tree, 64 MiB in all ------------------------
 TREE=0
 if git -C "$CHECKOUT" rev-parse --git-dir >/dev/null 2>&1; then
-  TREE=$(cd "$CHECKOUT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+  # (a tracked file deleted in the work tree makes du fail; the total of the others still counts)
+  TREE=$( (cd "$CHECKOUT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null || true) | tail -1 | cut -f1)
   [ -d "$CHECKOUT/shared" ] && TREE=$((TREE + $(du -sb "$CHECKOUT/shared" | cut -f1)))
   # build/vllm-gpu must be ignored, or the parts would travel with every call
   if ! git -C "$CHECKOUT" check-ignore -q build/vllm-gpu/probe; then
