@@ -8,6 +8,8 @@ cuBLAS. The oracle is compared with these bytes on the CPU (tests/test_contract_
 
     PYTHONPATH=src:tests python -P bench/probe_edges.py --out OUT
     python bench/probe_edges.py --extract OUT/edges.npz --to tests/data/edges-h200.npz   (the committed subset)
+    PYTHONPATH=src:tests python -P bench/probe_edges.py --rule-points OUT    (cuBLAS only, no build: the
+        hand-built points of tests/edge_inputs.py RULE_POINTS; their bits go to tests/data/rule-points-h200.json)
 """
 from __future__ import annotations
 
@@ -76,7 +78,38 @@ def extract(src: str, dst: str) -> None:
     print(dst, os.path.getsize(dst), "bytes,", len({k.split('__')[0] for k in keep}), "cases")
 
 
+def rule_points(out: str) -> None:
+    """cuBLAS (no extension build) on the hand-built points (tests/edge_inputs.py RULE_POINTS, one per sentence
+    of CONTRACT.md section 2): the H200's bits against the oracle and the exact transcription."""
+    import gemm_reference as ref
+    from fused_logp.kernel.oracle import hopper_logits
+
+    from edge_inputs import RULE_POINTS as points
+
+    rows = {}
+    for name, (hv, wv) in points.items():
+        k = -(-len(hv) // 16) * 16
+        h = torch.zeros(1, k, dtype=torch.float64)
+        w = torch.zeros(1, k, dtype=torch.float64)
+        h[0, :len(hv)] = torch.tensor(hv, dtype=torch.float64)
+        w[0, :len(wv)] = torch.tensor(wv, dtype=torch.float64)
+        hb, wb = h.float().bfloat16(), w.float().bfloat16()
+        # 64 identical rows and columns: a shape cuBLAS serves with its usual tensor-core kernel
+        hc, wc = hb.expand(64, k).contiguous().cuda(), wb.expand(64, k).contiguous().cuda()
+        hw = int(torch.mm(hc, wc.t(), out_dtype=torch.float32).cpu().view(torch.int32)[0, 0]) & 0xFFFFFFFF
+        orc = int(hopper_logits(hb, wb).view(torch.int32)[0, 0]) & 0xFFFFFFFF
+        rf = ref.dot_bits(bf16_bits(hb)[0].tolist(), bf16_bits(wb)[0].tolist())
+        rows[name] = {"h200_cublas": hex(hw), "oracle": hex(orc), "reference": hex(rf), "equal": hw == orc == rf}
+        print(f"{name:28s} H200 {hw:#010x} oracle {orc:#010x} reference {rf:#010x} {'ok' if hw == orc == rf else 'DIFF'}")
+    with open(os.path.join(out, "rule-points.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "points": rows}, f, indent=1)
+    print("all equal:", all(r["equal"] for r in rows.values()))
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--rule-points":
+        rule_points(sys.argv[2] if len(sys.argv) > 2 else os.environ.get("OUT", "out"))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--extract":
         extract(sys.argv[2], sys.argv[4] if len(sys.argv) > 4 else "tests/data/edges-h200.npz")
         return

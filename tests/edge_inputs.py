@@ -288,3 +288,34 @@ def make_case(name: str, seed: int, n: int = 64, v: int = 256):
     h, w = gen(rng, n, v)
     assert h.shape == (n, k) and w.shape == (v, k), (name, h.shape, w.shape)
     return cls, bits_to_bf16(h), bits_to_bf16(w)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hand-built single dot products, one per sentence of CONTRACT.md section 2 (floats exact in bf16; K padded
+# with zeros to a multiple of 16). Their H200 bits: tests/data/rule-points-h200.json.
+# ---------------------------------------------------------------------------------------------------------
+
+_BIG = (2 - 2.0 ** -7) * 2.0 ** 127
+_INF, _NAN = float("inf"), float("nan")
+RULE_POINTS = {
+    "zero_c_no_part": ([1.5 * 2.0 ** -76] * 16, [2.0 ** -76] * 16),
+    "floor_-133": ([-(2.0 ** -75)] + [1.5 * 2.0 ** -80] * 15, [2.0 ** -74] + [2.0 ** -79] * 15),
+    "subnormal_c_-126": ([1.5 * 2.0 ** -76] * 32, [2.0 ** -76] * 32),
+    "plus_zero_a": ([-(2.0 ** -76)], [2.0 ** -76]), "plus_zero_b": ([-(2.0 ** -75)], [2.0 ** -75]),
+    "plus_zero_c": ([-0.0] * 16, [1.0] * 16), "minus_2^-149": ([-(2.0 ** -75)], [2.0 ** -74]),
+    "max_bf16": ([_BIG], [1.0]), "below_2^128_a": ([_BIG, 2.0 ** 119], [1.0, 1.0]),
+    "trunc_not_round": ([_BIG, 2.0 ** 119, 1.5 * 2.0 ** 103], [1.0] * 3),
+    "above_max_below_2^128": ([_BIG, (2 - 2.0 ** -7) * 2.0 ** 119, (2 - 2.0 ** -7) * 2.0 ** 111,
+                               1.5 * 2.0 ** 103], [1.0] * 4),
+    "exactly_2^128": ([_BIG, 2.0 ** 120], [1.0, 1.0]), "neg_overflow": ([-_BIG, -(2.0 ** 121)], [1.0, 1.0]),
+    "c_binary32_between_groups": ([2.0 ** 64] * 16 + [-(2.0 ** 64)] * 16, [2.0 ** 64] * 32),
+    "inf_c_vs_finite_overflow": ([_INF] + [0.0] * 15 + [-(2.0 ** 64)] * 16, [1.0] * 16 + [2.0 ** 64] * 16),
+    "inf_times_0": ([_INF], [0.0]), "inf_minus_inf": ([_INF, _INF], [1.0, -1.0]), "nan_in": ([_NAN], [1.0]),
+    "inf_c_then_-inf": ([_INF] + [0.0] * 15 + [-_INF], [1.0] * 17),
+    "overflowed_c_then_-inf": ([2.0 ** 64] * 16 + [-_INF], [2.0 ** 64] * 17),
+    "inf_beats_finite_overflow": ([_INF, 2.0 ** 127], [1.0, -4.0]),
+    "zero_prod_large": ([0.0] + [1.5 * 2.0 ** -53] * 15, [2.0 ** 100] + [1.0] * 15),
+    "zero_prod_large_neg0": ([-0.0] + [1.5 * 2.0 ** -53] * 15, [-(2.0 ** 100)] + [1.0] * 15),
+    "zero_prod_subnormal": ([0.0] + [1.5 * 2.0 ** -76] * 15, [1.0] + [2.0 ** -76] * 15),
+    "zero_prod_none": ([0.0] + [1.5 * 2.0 ** -76] * 15, [2.0 ** -100] + [2.0 ** -76] * 15),
+}

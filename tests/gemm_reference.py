@@ -78,7 +78,7 @@ def group_step(c, a_bits, b_bits):
             else:
                 positive = (inf == "+inf") == (fin[0] > 0)
                 infs.add("+inf" if positive else "-inf")
-        else:
+        elif a[0] != 0 and b[0] != 0:                       # a product with a zero factor is no term
             terms.append((a[0] * b[0], a[1] + b[1]))
     if nan or len(infs) == 2:
         return "nan"

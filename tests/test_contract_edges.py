@@ -167,6 +167,29 @@ def test_special_values_give_nan_bits():
     assert _logit([float("inf"), 2.0 ** 127], [1.0, -4.0]) == 0x7F800000   # inf beats a finite overflow
 
 
+def test_zero_product_takes_no_part_in_emax():
+    """A product with a zero factor never sets emax: 0 * 2^100 (nominal exponent -26) next to 15 products of
+    1.5 * 2^-53 leaves them exact (22.5 * 2^-53); 0 * 1 (nominal -126) next to products of 1.5 * 2^-152 leaves
+    emax at the floor -133 (sum 22.5 * 2^-152 -> 2 * 2^-149)."""
+    assert _logit([0.0] + [1.5 * 2.0 ** -53] * 15, [2.0 ** 100] + [1.0] * 15) == 0x27340000
+    assert _logit([-0.0] + [1.5 * 2.0 ** -53] * 15, [-(2.0 ** 100)] + [1.0] * 15) == 0x27340000
+    assert _logit([0.0] + [1.5 * 2.0 ** -76] * 15, [1.0] + [2.0 ** -76] * 15) == 0x00000002
+
+
+def test_rule_points_equal_h200():
+    """Every hand-built point (tests/edge_inputs.py RULE_POINTS, one per sentence of section 2) gives the bits
+    the H200 gave (tests/data/rule-points-h200.json)."""
+    import json
+
+    from edge_inputs import RULE_POINTS
+
+    with open(os.path.join(os.path.dirname(DATA), "rule-points-h200.json")) as f:
+        h200 = json.load(f)["h200_bits"]
+    assert set(h200) == set(RULE_POINTS)
+    for name, (hv, wv) in RULE_POINTS.items():
+        assert _logit(hv, wv) == int(h200[name], 16), name
+
+
 def test_ordinary_rule_unchanged():
     """Away from the edges the erratum changes nothing: truncation of aligned terms at 25 fractional bits."""
     assert _logit([1.0, 2.0 ** -25 * 1.5], [1.0, 1.0]) == 0x3F800000       # 1 + 1.5 * 2^-25 -> 1

@@ -29,10 +29,18 @@ _F64_TO_F32_GRID = ~((1 << 29) - 1)
 _F32_OVERFLOW = 2.0 ** 128
 
 
+# The exponent given to a zero input: its products (zero) take no part in emax (any product's sum with it stays
+# below ALIGN_EXP_FLOOR, as bf16 exponents are at most 127).
+_ZERO_INPUT_EXP = -1000
+
+
 def _nominal_exponent_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Exponent e of x = s * 2^e with s in [1, 2); subnormals and zero take e = -126. int16, same shape."""
-    field = (x.view(torch.int16).to(torch.int32) >> 7) & 0xFF
-    return (torch.clamp(field, min=1) - 127).to(torch.int16)
+    """Exponent e of x = s * 2^e with s in [1, 2); subnormals take e = -126; zero takes _ZERO_INPUT_EXP (a zero
+    product is no term of emax). int16, same shape."""
+    bits = x.view(torch.int16).to(torch.int32)
+    field = (bits >> 7) & 0xFF
+    e = torch.clamp(field, min=1) - 127
+    return torch.where((bits & 0x7FFF) == 0, _ZERO_INPUT_EXP, e).to(torch.int16)
 
 
 def _acc_exponent(acc: torch.Tensor) -> torch.Tensor:
@@ -67,12 +75,12 @@ def hopper_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
        if their sum would overflow the other way). The group is then done. NaN is written as GEMM_NAN_BITS
        (0x7FFFFFFF).
     2. Otherwise every value is finite. Write each bf16 input as s * 2^e, s in [1, 2), e its unbiased exponent;
-       a subnormal or zero input has e = -126 (s < 1; s = 0 for zero). Product k: significand s_a * s_b (exact,
-       in [0, 4)), nominal exponent e_a + e_b (not the exponent of its value; a zero product keeps it too).
+       a subnormal input has e = -126 (s < 1). A nonzero product k: significand s_a * s_b (exact, in (0, 4)),
+       nominal exponent e_a + e_b (not the exponent of its value). A product with a zero factor is no term.
        c: when c != 0, a term with its binary32 significand and nominal exponent (a subnormal c: e = -126);
        when c = +0, no term.
-    3. emax = the largest of: the 16 products' nominal exponents, c's (when c != 0), and
-       ALIGN_EXP_FLOOR = -133.
+    3. emax = the largest of: the nonzero products' nominal exponents, c's (when c != 0), and
+       ALIGN_EXP_FLOOR = -133. (Zeros, products or c, never set emax.)
     4. Each term's value is multiplied by 2^(ALIGN_FRAC_BITS - emax) (ALIGN_FRAC_BITS = 25) and truncated
        toward zero to an integer. The (up to 17) integers are added exactly: the sum S.
     5. c = S * 2^(emax - 25), truncated toward zero to a 24-bit significand (ACC_SIGNIFICAND_BITS) when its
