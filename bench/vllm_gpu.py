@@ -213,7 +213,7 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
 # speed
 # --------------------------------------------------------------------------------------------------------------
 
-def run_speed(model_dir, plugin: bool, out_tokens: int = 128) -> dict:
+def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -322,7 +322,7 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
         name = f"speed-{plugin}"
         p = _child(["speed", "--plugin", plugin, "--model-dir", str(model_dir), "--json", str(out / f"{name}.json")],
                    out / f"{name}.log", 0)[0]
-        _wait({name: p}, min(time.time() + 150, t0 + deadline_s), result, out)
+        _wait({name: p}, min(time.time() + 85, t0 + deadline_s), result, out)
     if "speed-on" in result and "speed-off" in result and "batches" in result["speed-on"] \
             and "batches" in result.get("speed-off", {}):
         result["speed_ratio_on_over_off"] = {
@@ -360,7 +360,7 @@ def main():
     ap.add_argument("--mode", default="default")
     ap.add_argument("--plugin", default="on")
     ap.add_argument("--json")
-    ap.add_argument("--deadline", type=float, default=330.0)
+    ap.add_argument("--deadline", type=float, default=300.0)
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
