@@ -98,6 +98,35 @@ def test_zero_product_takes_no_part_in_emax(zero, regime):
     assert _same(_cublas(h.cuda(), w.cuda()), want, exact=True)
 
 
+def test_kernel_on_the_rule_points():
+    """The hand-built points (one per sentence of CONTRACT.md section 2) give the kernel the H200 bits that cuBLAS
+    gave (tests/data/rule-points-h200.json) and the oracle gives."""
+    from edge_inputs import RULE_POINTS
+
+    with open(os.path.join(HERE, "data", "rule-points-h200.json")) as f:
+        h200 = json.load(f)["h200_bits"]
+    bad = []
+    for name, (hv, wv) in RULE_POINTS.items():
+        k = -(-len(hv) // 16) * 16
+        h = torch.zeros(1, k, dtype=torch.float64)
+        w = torch.zeros(1, k, dtype=torch.float64)
+        h[0, :len(hv)] = torch.tensor(hv, dtype=torch.float64)
+        w[0, :len(wv)] = torch.tensor(wv, dtype=torch.float64)
+        h, w = h.float().bfloat16().expand(4, k).contiguous(), w.float().bfloat16().expand(64, k).contiguous()
+        t = torch.zeros(4, dtype=torch.int64)
+        got = linear_logp(h.cuda(), w.cuda(), t.cuda(), return_logits=True, backend="sm90").logits.cpu()
+        orc = linear_logp(h, w, t, return_logits=True, backend="oracle").logits
+        want = int(h200[name], 16)
+        if not ((got.view(torch.int32) & 0xFFFFFFFF) == want).all() or not bits_equal_(got, orc):
+            bad.append(f"{name}: kernel {int(got.view(torch.int32)[0, 0]) & 0xFFFFFFFF:#010x}, H200 {want:#010x}")
+    assert not bad, "\n".join(bad)
+
+
+def bits_equal_(a, b):
+    from helpers import bits_equal
+    return bits_equal(a, b)
+
+
 def test_host_temperature_with_device_inputs_is_refused_at_the_call():
     """CONTRACT.md section 0.1: a value already on the host is checked there, before any launch."""
     from fused_logp.shared_contract.errors import ContractInputError
