@@ -174,7 +174,7 @@ class _RowErrors:
         self.count.add_(torch.stack([zero if m is None else m.sum() for m in masks]))
         self.snapshot.copy_(self.count, non_blocking=True)
         self.event = torch.cuda.Event()
-        self.event.record()
+        self.event.record(torch.cuda.current_stream(self.count.device))
 
     def take(self, wait):
         """Counts recorded so far (all of them with wait=True, which synchronises; else what a finished
