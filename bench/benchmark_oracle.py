@@ -48,6 +48,7 @@ def main():
     p.add_argument("--out", default="bench/results/oracle-cpu-2026-12-01.json")
     p.add_argument("--log", default=None, help="also write the printed table here")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps-small", type=int, default=21, help="repetitions of the fast oracle's ms-long calls")
     p.add_argument("--numpy-qwen-cols", type=int, default=9728, help="columns the numpy oracle computes at Qwen3-8B")
     p.add_argument("--qwen-rows", default="1,8,64", help="rows per call for the fast oracle at Qwen3-8B")
     p.add_argument("--skip-qwen", action="store_true")
@@ -80,7 +81,8 @@ def main():
     a = record("embedded default N=12 D=256 V=4000", "oracle",
                n, *_time(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle"), args.reps))
     b = record("embedded default N=12 D=256 V=4000", "oracle-fast",
-               n, *_time(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle-fast"), args.reps))
+               n, *_time(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle-fast"),
+                     args.reps_small))
     ratios = {"embedded default": b["rows_per_s"] / a["rows_per_s"]}
     audits = {}
 

@@ -477,7 +477,11 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
   // (3 arrays * 16 * 16 * 4 B = 3 KiB a group).
   const int GC = 8;
   std::vector<uint8_t> wbad(ncols, 0);
-  at::parallel_for(0, panels, 1, [&](int64_t pb, int64_t pe) {
+  // At least ~16M multiply-adds (a few ms) per thread's share: a small call (a serving step) runs on one thread
+  // instead of waiting at a barrier for a second one that a busy machine may not schedule soon.
+  const int64_t panel_macs = std::max<int64_t>(1, n * 16 * int64_t(d));
+  const int64_t panel_grain = std::max<int64_t>(1, (int64_t(1) << 24) / panel_macs);
+  at::parallel_for(0, panels, panel_grain, [&](int64_t pb, int64_t pe) {
     Panel p;
     p.resize(GC);
     std::vector<uint32_t> acc(size_t(n) * 16);
@@ -543,7 +547,7 @@ std::vector<torch::Tensor> tile_stats(torch::Tensor z, torch::Tensor temperature
   const float* T = temperature.data_ptr<float>();
   float* M = tmax.data_ptr<float>();
   float* S = tsum.data_ptr<float>();
-  at::parallel_for(0, n * nt, 64, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n * nt, 2048, [&](int64_t b, int64_t e) {
     float lanes[TILE];
     for (int64_t i = b; i < e; ++i) {
       int64_t r = i / nt, t = i % nt;
@@ -589,7 +593,7 @@ std::vector<torch::Tensor> merge(torch::Tensor tile_max, torch::Tensor tile_sum,
   const float* Zt = target_logit.data_ptr<float>();
   float* L = lse.data_ptr<float>();
   float* P = logp.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, std::max<int64_t>(1, 32768 / nt), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* m_r = M + r * nt;
       const float* s_r = S + r * nt;
