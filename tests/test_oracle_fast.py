@@ -220,10 +220,10 @@ def test_op_entries_equal_numpy_oracle(gen):
 
 def test_row_chunks_threads_and_batch_composition(gen):
     """More rows than one GEMM call holds, 1 or 2 threads, a row alone: the bytes of the numpy oracle."""
-    n = fast.ROWS_PER_CALL + 13
-    h = torch.randn(n, 64, generator=gen).bfloat16()
-    w = torch.randn(300, 64, generator=gen).bfloat16()
-    t = torch.randint(0, 300, (n,), generator=gen)
+    n = fast.ROWS_PER_CALL + 13                 # 77 rows x 2000 x 256: large enough to be split over two threads
+    h = torch.randn(n, 256, generator=gen).bfloat16()
+    w = torch.randn(2000, 256, generator=gen).bfloat16()
+    t = torch.randint(0, 2000, (n,), generator=gen)
     want = linear_logp(h, w, t, temperature=0.8, backend="oracle")
     threads = torch.get_num_threads()
     try:
