@@ -43,8 +43,8 @@ def _peak_extra(fn):
 
 
 def smoke():
-    """Every entry and launch variant once on a small ragged shape (N=70, D=208, V=1000 of 1088 rows)."""
-    from fused_logp.kernel.sm90 import VARIANTS, SM90Backend
+    """Every entry and launch configuration once on a small ragged shape (N=70, D=208, V=1000 of 1088 rows)."""
+    from fused_logp.kernel.sm90 import LAUNCHES, SM90Backend
 
     be = SM90Backend()
     ok, why = be.available()
@@ -58,18 +58,18 @@ def smoke():
     tg = torch.randint(0, v, (n,), generator=g, device="cuda")
     t = torch.rand(n, generator=g, device="cuda") + 0.5
     ref = None
-    for var in VARIANTS:
-        be.launch_variant = var
+    for var in ("auto", *LAUNCHES):
+        be.launch = var
         out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=True, vocab_size=v)
         if ref is None:
             ref = out
         assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)), var
-    be.launch_variant = 0
+    be.launch = "auto"
     st = be.shard_stats(h, w[512:].contiguous(), tg, vocab_start=512, vocab_size=v, bias=b[512:].contiguous(),
                         temperature=t, return_logits=True)
     be.stats_from_logits(ref[2], tg, temperature=t, vocab_size=v)
     torch.cuda.synchronize()
-    print("smoke ok:", len(VARIANTS), "variants,", tuple(st["tile_max"].shape))
+    print("smoke ok:", 1 + len(LAUNCHES), "launch configurations,", tuple(st["tile_max"].shape))
 
 
 def main():
@@ -78,12 +78,14 @@ def main():
     ap.add_argument("--vocab", default="151936,76032")
     ap.add_argument("--d", type=int, default=4096)
     ap.add_argument("--rep", type=int, default=300, help="do_bench rep (ms)")
-    ap.add_argument("--variant", type=int, default=0)
-    ap.add_argument("--sweep", default="", help="extra launch variants to time, e.g. 1,2,3,17 (+16: mainloop only)")
+    ap.add_argument("--launch", default="auto", help="launch configuration of the 'ours' columns (sm90.LAUNCHES)")
+    ap.add_argument("--sweep", default="",
+                    help="extra launch configurations to time, e.g. cta-128x256,pingpong-64x256+mainloop "
+                         "(+mainloop: the timing hook, mainloop without statistics)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--smoke", action="store_true",
-                    help="one small call per launch variant and entry, then exit (for compute-sanitizer / ncu)")
+                    help="one small call per launch configuration and entry, then exit (for compute-sanitizer / ncu)")
     args = ap.parse_args()
     if args.smoke:
         return smoke()
@@ -94,7 +96,7 @@ def main():
     ok, why = be.available()
     if not ok:
         sys.exit(f"sm90 backend unavailable: {why}")
-    be.launch_variant = args.variant
+    be.launch = args.launch
     dev = torch.device("cuda")
     peers = peer_lib.load("none", no_grad=True)
     g = torch.Generator(device=dev).manual_seed(1234)
@@ -129,15 +131,15 @@ def main():
                 return be.linear_logp(nxt(), w, tg, bias=None, temperature=temp, return_logits=True, vocab_size=v)
 
             extra = []
-            for var in [int(x) for x in args.sweep.split(",") if x]:
+            for var in [x for x in args.sweep.split(",") if x]:
                 def ours_var(var=var):
-                    be.launch_variant = var
+                    be.launch, be.mainloop_only = var.split("+")[0], var.endswith("+mainloop")
                     try:
                         return be.linear_logp(nxt(), w, tg, bias=None, temperature=temp, return_logits=False,
                                               vocab_size=v)
                     finally:
-                        be.launch_variant = args.variant
-                extra.append((f"ours_v{var}", ours_var))
+                        be.launch, be.mainloop_only = args.launch, False
+                extra.append((f"ours_{var}", ours_var))
             rep = args.rep
             row = {"N": n, "D": d, "V": v}
             flops = 2.0 * n * d * v
@@ -178,8 +180,10 @@ def main():
             row["ratio_ours_vs_gemm"] = row["ours_ms"] / row["gemm_bf16_ms"]
             row["ratio_ours_logits_vs_gemm"] = row["ours_logits_ms"] / row["gemm_bf16_ms"]
             row["ratio_ours_vs_logsoftmax"] = row["ours_ms"] / row["cublas_logsoftmax_ms"]
+            row["ratio_ours_logits_vs_ours"] = row["ours_logits_ms"] / row["ours_ms"]
             rows.append(row)
-            sweep = " ".join(f"{k[:-3]}={row[k]:.3f}" for k in row if k.startswith("ours_v") and k.endswith("_ms"))
+            sweep = " ".join(f"{k[5:-3]}={row[k]:.3f}" for k in row
+                             if k.startswith("ours_") and k.endswith("_ms") and k not in ("ours_ms", "ours_logits_ms"))
             print(f"  V={v} N={n}: gemm {row['gemm_bf16_ms']:.3f} ms, ours {row['ours_ms']:.3f} ms "
                   f"({row['ratio_ours_vs_gemm']:.3f}x) {sweep}", flush=True)
             del hs, tg, temp
@@ -199,7 +203,7 @@ def main():
         "rows": rows,
     }
     hdr = (f"{'V':>7} {'N':>6} | {'GEMM bf16':>9} {'GEMM f32':>9} {'cuBLAS+LS':>9} | {'ours':>8} {'x GEMM':>6} "
-           f"{'TFLOP/s':>7} {'+logits':>8} {'x GEMM':>6} | {'mem ours':>9} {'mem LS':>9}")
+           f"{'TFLOP/s':>7} {'+logits':>8} {'x GEMM':>6} {'x ours':>6} | {'mem ours':>9} {'mem LS':>9}")
     print()
     print(f"{info['gpu']}, torch {info['torch']}, CUDA {info['cuda']}, {info['date']}; median ms")
     print(hdr)
@@ -207,7 +211,8 @@ def main():
     for r in rows:
         print(f"{r['V']:>7} {r['N']:>6} | {r['gemm_bf16_ms']:>9.3f} {r['gemm_f32out_ms']:>9.3f} "
               f"{r['cublas_logsoftmax_ms']:>9.3f} | {r['ours_ms']:>8.3f} {r['ratio_ours_vs_gemm']:>6.3f} "
-              f"{r['ours_tflops']:>7.1f} {r['ours_logits_ms']:>8.3f} {r['ratio_ours_logits_vs_gemm']:>6.3f} | "
+              f"{r['ours_tflops']:>7.1f} {r['ours_logits_ms']:>8.3f} {r['ratio_ours_logits_vs_gemm']:>6.3f} "
+              f"{r['ratio_ours_logits_vs_ours']:>6.3f} | "
               f"{r['ours_peak_extra_mib']:>7.1f}Mi {r['cublas_logsoftmax_peak_extra_mib']:>7.1f}Mi")
     for k in info["peers_not_installed"]:
         print(f"{k}: not installed on this machine; not measured (DESIGN-NOTES section 3 has earlier figures)")
@@ -216,9 +221,13 @@ def main():
             return f"{x:>{width}.3f}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
         print()
         print("peers, forward only (no_grad, per-token loss); median ms and peak extra MiB")
-        print(f"{'V':>7} {'N':>6} | {'ours':>8} {'Liger':>8} {'CCE':>8} | {'mem Liger':>9} {'mem CCE':>9}")
+        def ratio(r, k):
+            return r[k] / r["gemm_bf16_ms"] if isinstance(r[k], (int, float)) else None
+        print(f"{'V':>7} {'N':>6} | {'ours':>8} {'Liger':>8} {'CCE':>8} | {'ours/GEMM':>9} {'Liger/GEMM':>10} "
+              f"{'CCE/GEMM':>9} | {'mem Liger':>9} {'mem CCE':>9}")
         for r in rows:
             print(f"{r['V']:>7} {r['N']:>6} | {r['ours_ms']:>8.3f} {cell(r['liger_ms'], 8)} {cell(r['cce_ms'], 8)} | "
+                  f"{cell(ratio(r, 'ours_ms'), 9)} {cell(ratio(r, 'liger_ms'), 10)} {cell(ratio(r, 'cce_ms'), 9)} | "
                   f"{cell(r['liger_peak_extra_mib'], 9)} {cell(r['cce_peak_extra_mib'], 9)}")
         for name in peers:
             for r in rows:

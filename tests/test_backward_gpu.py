@@ -114,7 +114,7 @@ def test_kernel_and_torch_path_agree(monkeypatch):
     r = linear_logp(h, w, t, temperature=temp)
     gl = torch.randn(256, device="cuda")
     a = autograd.logp_grads(h, w, None, t, temp, r.lse, gl, None, vocab_start=0, n_real=20000)
-    monkeypatch.setattr(autograd, "_dz_kernel", lambda device: None)
+    monkeypatch.setattr(autograd, "_dz_backend", lambda device: None)
     b = autograd.logp_grads(h, w, None, t, temp, r.lse, gl, None, vocab_start=0, n_real=20000)
     _close(a[0], b[0], "dh")
     _close(a[1], b[1].float(), "dw")
@@ -126,8 +126,8 @@ def test_dz_kernel_against_float64_formula(n_cols):
     outside the chunk) against the formula in float64 on the same bf16 inputs: every element of [N, n_cols] is
     written, nothing beyond the row's last 16-byte unit (the output is poisoned first), and each is within 2^-8 relative (bf16 rounding is 2^-9) of the reference,
     plus 2^-30 absolute for elements that round to bf16 subnormals."""
-    from fused_logp.kernel import sm90
-    ext = sm90.extension("cuda")
+    from fused_logp.kernel.backends import device_backend
+    ext = device_backend("cuda")
     g = torch.Generator(device="cuda").manual_seed(11)
     n, d, rows, off = 300, 1024, 4160, 70000
     h = torch.randn(n, d, device="cuda", generator=g).bfloat16()

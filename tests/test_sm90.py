@@ -17,7 +17,7 @@ from helpers import bits_equal
 pytestmark = pytest.mark.gpu
 
 SENTINEL = 0x7FBADBAD          # a NaN payload no arithmetic produces
-VARIANTS = (1, 2, 3, 4, 5, 6, 7)
+VARIANTS = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-64x256")   # sm90.LAUNCHES, besides "auto"
 M_LIST = list(range(1, 18)) + [31, 63, 64, 65, 127, 128, 129, 255, 257, 1000, 4096]
 
 
@@ -35,7 +35,7 @@ def be():
     assert ok, why
     b.poison = SENTINEL
     yield b
-    b.launch_variant = 0
+    b.launch = "auto"
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,8 @@ def targets_for(cgen, n, v):
     return torch.randint(0, v, (n,), generator=cgen, device="cuda", dtype=torch.int64)
 
 
-def run(be, h, w, tg, t, b, v, logits=False, variant=0):
-    be.launch_variant = variant
+def run(be, h, w, tg, t, b, v, logits=False, variant="auto"):
+    be.launch = variant
     out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=logits, vocab_size=v)
     no_sentinel(*out)
     return out
@@ -125,13 +125,13 @@ def test_device_exp_log_match_cpu(be, gen):
     assert beq(en.cpu()[nonpos], ce[nonpos])
 
 
-@pytest.mark.parametrize("variant", (0,) + VARIANTS)
+@pytest.mark.parametrize("variant", ("auto",) + VARIANTS)
 def test_l1_repeat_100(be, cgen, variant):
     n, d, v = 129, 4096, 151936
     h, w, t, b = make_inputs(cgen, n, d, v)
     tg = targets_for(cgen, n, v)
     ref = run(be, h, w, tg, t, b, v, variant=variant)
-    for _ in range(99 if variant == 0 else 19):
+    for _ in range(99 if variant == "auto" else 19):
         out = run(be, h, w, tg, t, b, v, variant=variant)
         assert bits_equal(out[0], ref[0]) and bits_equal(out[1], ref[1])
 
@@ -144,9 +144,9 @@ def test_l2_batch_invariance(be, cgen, shape):
     tg = targets_for(cgen, pool, v)
     ref_logp, ref_lse, _ = run(be, h, w, tg, t, None, v)
     ms = M_LIST + ([16384] if d == 4096 else [])
-    for variant in (0,) + VARIANTS:
+    for variant in ("auto",) + VARIANTS:
         for m in ms:
-            if d == 4096 and variant != 0 and m > 1000:
+            if d == 4096 and variant != "auto" and m > 1000:
                 continue
             idx = torch.randperm(pool, device="cuda", generator=cgen)[:m]
             logp, lse, _ = run(be, h[idx].contiguous(), w, tg[idx].contiguous(), t[idx].contiguous(), None, v,
@@ -160,7 +160,7 @@ def test_dual_entry_and_cublas_logits(be, cgen, bias):
     n, d, v = 300, 4096, 151936
     h, w, t, b = make_inputs(cgen, n, d, v, bias=bias)
     tg = targets_for(cgen, n, v)
-    for variant in (0,) + VARIANTS:
+    for variant in ("auto",) + VARIANTS:
         a = run(be, h, w, tg, t, b, v, logits=False, variant=variant)
         c = run(be, h, w, tg, t, b, v, logits=True, variant=variant)
         assert a[2] is None and c[2].shape == (n, v)
@@ -172,7 +172,7 @@ def test_dual_entry_and_cublas_logits(be, cgen, bias):
             f"{int((c[2].view(torch.int32) != z.view(torch.int32)).sum())} of {z.numel()}"
 
 
-def _oracle_compare(be, oracle, h, w, tg, t, b, v, variants=(0,) + VARIANTS):
+def _oracle_compare(be, oracle, h, w, tg, t, b, v, variants=("auto",) + VARIANTS):
     ref = oracle.linear_logp(h.cpu(), w.cpu(), tg.cpu(), bias=None if b is None else b.cpu(),
                              temperature=t.cpu(), return_logits=True, vocab_size=v)
     for variant in variants:
@@ -263,7 +263,7 @@ def test_stats_from_logits_equal_fused(be, oracle, cgen, n, d, v):
     logp, lse, z = run(be, h, w, tg, t, b, v, logits=True)
     wide = torch.randn(n, v + 13, generator=cgen, device="cuda")
     wide[:, :v] = z                           # columns beyond vocab_size never enter a statistic
-    be.launch_variant = 0
+    be.launch = "auto"
     l2, s2 = be.stats_from_logits(wide, tg, temperature=t, vocab_size=v)
     no_sentinel(l2, s2)
     assert bits_equal(l2, logp) and bits_equal(s2, lse)
@@ -287,7 +287,7 @@ def test_epilogue_extremes(be, oracle, cgen):
                              vocab_size=v)
     z = ref[2]
     assert float(z.abs().min()) > 500 and float(z.abs().max()) < 3000
-    for variant in (0,) + VARIANTS:
+    for variant in ("auto",) + VARIANTS:
         out = run(be, h, w, tg, t, None, v, logits=True, variant=variant)
         assert beq(out[2], ref[2]) and beq(out[1], ref[1]) and beq(out[0], ref[0]), variant
     # all-negative logits, ragged last tile
@@ -325,3 +325,14 @@ def test_float64_accuracy(be, cgen):
     rlogp = z.gather(1, tg[:, None]).squeeze(1) - rlse
     assert float(((lse.double() - rlse).norm() / rlse.norm())) < 1e-5
     assert float((logp.double() - rlogp).abs().max()) < 5e-3
+
+
+def test_unknown_launch_is_refused(be, cgen):
+    h, w, t, _ = make_inputs(cgen, 3, 64, 128)
+    be.launch = "cta-96x256"
+    try:
+        with pytest.raises(ValueError, match="launch must be"):
+            be.linear_logp(h, w, targets_for(cgen, 3, 128), bias=None, temperature=t, return_logits=False,
+                           vocab_size=128)
+    finally:
+        be.launch = "auto"

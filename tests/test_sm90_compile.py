@@ -48,7 +48,7 @@ def test_header_constants_equal_python_constants():
 def test_sm90_module_constant_order_matches_extension_source():
     """kernel/sm90.py checks the built extension's constants in the order contract_constants() returns them."""
     from fused_logp.kernel.sm90 import expected_constants
-    src = (CSRC / "sm90_linear_logp.cu").read_text()
+    src = (CSRC / "sm90_forward.cu").read_text()
     body = re.search(r"contract_constants\(\) \{.*?return \{(.*?)\};", src, re.S).group(1)
     names = [s.strip() for s in body.split(",")]
     h = _header_constants()
@@ -63,12 +63,16 @@ def test_no_fast_math_or_libm_in_kernel_sources():
     # The backward's logit-gradient epilogue (not contract-bearing) is the one user of the hardware ex2.approx:
     # defined once, called once, and only under the DZ kernels' compile-time branch.
     hits = {f.name: f.read_text().count("\"ex2.approx") for f in CSRC.glob("*.cu*")}
-    assert {k: v for k, v in hits.items() if v} == {"sm90_fused.cuh": 1}, hits
-    fused = (CSRC / "sm90_fused.cuh").read_text()
-    assert fused.count("ex2_approx(") == 3          # the definition and the two lanes of wg_dz_epilogue
-    assert fused.count("wg_dz_epilogue<") == 1
-    branch, call = fused.index("if constexpr (DZ) {"), fused.index("wg_dz_epilogue<")
-    assert 0 < call - branch < 1000 and "}" not in fused[branch + len("if constexpr (DZ) {"):call]
+    assert {k: v for k, v in hits.items() if v} == {"dz_epilogue.cuh": 1}, hits
+    dz = (CSRC / "dz_epilogue.cuh").read_text()
+    assert dz.count("ex2_approx(") == 3          # the definition and the two lanes of wg_dz_epilogue
+    kernels = (CSRC / "fused_kernels.cuh").read_text()
+    assert kernels.count("wg_dz_epilogue<") == 1
+    for f in CSRC.glob("*.cu*"):
+        if f.name not in ("dz_epilogue.cuh", "fused_kernels.cuh"):
+            assert "wg_dz_epilogue" not in f.read_text() and "ex2_approx" not in f.read_text(), f.name
+    branch, call = kernels.index("if constexpr (DZ) {"), kernels.index("wg_dz_epilogue<")
+    assert 0 < call - branch < 1000 and "}" not in kernels[branch + len("if constexpr (DZ) {"):call]
     from fused_logp.kernel import sm90
     assert "--use_fast_math" not in sm90.CUDA_FLAGS
     assert "-gencode=arch=compute_90a,code=sm_90a" in sm90.CUDA_FLAGS

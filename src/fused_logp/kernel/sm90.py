@@ -16,16 +16,24 @@ import torch
 from ..shared_contract import constants as C
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("sm90_linear_logp.cu", "sm90_fused_128x256.cu", "sm90_fused_64x256.cu", "sm90_fused_64x128.cu",
-            "sm90_pingpong_64x128.cu", "sm90_pingpong_64x256.cu", "sm90_epiwg_128x128.cu",
-            "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
+_SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_pingpong_64x256.cu", "sm90_cta_128x256.cu",
+            "sm90_cta_64x256.cu", "sm90_cta_64x128.cu", "sm90_backward.cu", "sm90_transforms.cu",
+            "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
-# Launch variants (free axes: CTA tile rows x vocabulary columns; none changes a bit). 0 = auto: 64x256 for
-# N <= 64 rows (weight-bandwidth bound), else 128x256 (fastest measured, bench/NOTES-sm90.md).
-VARIANTS = {0: "auto", 1: "128x256", 2: "64x256", 3: "64x128", 4: "pingpong-64x128", 5: "pingpong-64x256",
-            6: "128x256-epi2", 7: "epilogue-warpgroup-128x128"}
+# Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by name, with
+# the id the extension takes (kernel/csrc/sm90_forward.cu). "auto" is one of them, chosen by row count.
+LAUNCHES = {"cta-128x256": 1, "cta-64x256": 2, "cta-64x128": 3, "pingpong-64x256": 4}
+MAINLOOP_ONLY = 16   # added to a launch id: the timing hook (mainloop without statistics; benchmarks only)
+
+
+def auto_launch(n_rows: int) -> str:
+    """The configuration "auto" runs for a call of n_rows rows (figures in bench/NOTES-sm90.md): 64x256 CTAs while
+    one 64-row tile holds the batch (the weight streams through 594 CTAs), 128x256 CTAs above. The persistent
+    ping-pong kernel was slower than the 128x256 CTA kernel from N = 256 up and level at N = 1 on the H200."""
+    return "cta-64x256" if n_rows <= 64 else "cta-128x256"
+
 
 _lock = threading.Lock()
 _ext = None
@@ -77,8 +85,10 @@ class SM90Backend:
     contract_bearing = True
 
     def __init__(self):
-        # Launch variant, a free axis (see VARIANTS); tests set it to prove that it changes no bit.
-        self.launch_variant = 0
+        # Launch configuration, a free axis (a name of LAUNCHES); tests set it to prove that it changes no bit.
+        self.launch = "auto"
+        # Benchmarks only: run the mainloop without the statistics (the outputs are then meaningless).
+        self.mainloop_only = False
         # Tests set an int32 NaN pattern: outputs are filled with it before each launch (unwritten ones show).
         self.poison: int | None = None
 
@@ -109,13 +119,19 @@ class SM90Backend:
         return {"arch": "sm_90a", "compute_capability": f"{cap[0]}.{cap[1]}" if cap else "none",
                 "toolkit": f"torch {torch.__version__} cuda {torch.version.cuda}",
                 "build": "torch.utils.cpp_extension " + " ".join(CUDA_FLAGS),
-                "launch_variant": VARIANTS[self.launch_variant]}
+                "launch": self.launch}
 
     def _module(self):
         ok, why = self.available()
         if not ok:
             raise RuntimeError(f"sm90 backend unavailable: {why}")
         return _ext
+
+    def _launch_id(self, n_rows: int) -> int:
+        name = auto_launch(n_rows) if self.launch == "auto" else self.launch
+        if name not in LAUNCHES:
+            raise ValueError(f"launch must be 'auto' or one of {sorted(LAUNCHES)}, got {self.launch!r}")
+        return LAUNCHES[name] + (MAINLOOP_ONLY if self.mainloop_only else 0)
 
     # -- entries ----------------------------------------------------------------------------------------------
     def _stats(self, hidden, weight, targets, temperature, bias, vocab_start, n_real, return_logits,
@@ -127,7 +143,7 @@ class SM90Backend:
         tile_sum = self._empty(n, nt, device=hidden.device)
         logits = self._empty(n, n_real, device=hidden.device) if return_logits else None
         ext.fused_stats(hidden, weight, targets.contiguous(), temperature.contiguous(), bias, vocab_start, n_real, tile_max, tile_sum,
-                        target_logit, logits, int(self.launch_variant))
+                        target_logit, logits, self._launch_id(n))
         return tile_max, tile_sum, logits
 
     def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):

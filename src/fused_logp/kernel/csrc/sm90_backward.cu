@@ -7,8 +7,8 @@
 //   z   = <h[n], W_c[c]> (+ b[c])
 //   dz  = (coef * exp(z / T - lse) + g_logp [col_offset + c == target]) / T      coef = g_lse - g_logp
 // rounded once to bf16 into out [N, C] (the operand of dh = dz W_c and dW_c = dz^T h, FP32 accumulation) through
-// shared memory and TMA stores; the FP32 logits chunk is never written. The scaling and exp are the fast forms (sm90_fused.cuh, DzRows).
-#include "sm90_fused.cuh"
+// shared memory and TMA stores; the FP32 logits chunk is never written. The scaling and exp are the fast forms (dz_epilogue.cuh, DzRows).
+#include "launch.cuh"
 
 namespace sm90 {
 
@@ -24,7 +24,7 @@ void launch_dz(const torch::Tensor& hidden, const torch::Tensor& weight, const t
   const CUtensorMap mw = make_map(weight, C::BN);
   // [N, n_cols rounded up to 8] bf16 (whole 16-byte units per row), 64 x 64 boxes, 128-byte swizzle
   const CUtensorMap mo = make_map(out.as_strided({out.size(0), (out.size(1) + 7) / 8 * 8}, {out.stride(0), 1}), 64);
-  auto kern = (p.d % kBK == 0) ? fused_stats_kernel<2, 256, true, 1, true> : fused_stats_kernel<2, 256, false, 1, true>;
+  auto kern = (p.d % kBK == 0) ? fused_cta_kernel<2, 256, true, true> : fused_cta_kernel<2, 256, false, true>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
   TORCH_CHECK(blocks < (1LL << 31), "sm90 backward: grid too large");

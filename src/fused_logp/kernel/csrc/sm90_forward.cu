@@ -1,4 +1,5 @@
-// Fused lm_head projection + contract v1 tile statistics for sm_90a, and the row merge.
+// The forward entries: fused lm_head projection + contract v1 tile statistics (launch selection), the row merge,
+// statistics from FP32 logits, and the compiled contract constants.
 //
 // Contract v1 (shared_contract/constants.py):
 //   z[n, v]  = <h[n], W[v]> (+ b[v]): one FP32 wgmma accumulator, K in ascending k16 groups, no split-K.
@@ -18,7 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "contract_math.cuh"
-#include "sm90_fused.cuh"
+#include "launch.cuh"
 
 namespace sm90 {
 namespace {
@@ -121,21 +122,21 @@ logits_stats_kernel(const float* __restrict__ logits, long long ld, const int64_
   if (tc >= 0 && tc < kTile && (tc >> 1) == lane) target_logit[row] = (tc & 1) ? s1 : s0;
 }
 
-void check_f32_2d(const torch::Tensor& t, const char* name, long long rows, long long cols) {
+}  // namespace
+
+static void check_f32_2d(const torch::Tensor& t, const char* name, long long rows, long long cols) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 2 &&
                   t.size(0) == rows && t.size(1) == cols,
               "sm90: ", name, " must be a contiguous CUDA float32 [", rows, ", ", cols, "] tensor");
 }
 
 // Tile statistics of a weight (shard) whose row 0 is vocabulary id vocab_start; n_real real columns.
-// variant: 0 = choose by row count, 1 = 128x256 tiles, 2 = 64x256, 3 = 64x128, 4 = persistent ping-pong
-// 64x128 per warpgroup, 5 = ping-pong 64x256, 6 = 128x256 with two tiles per epilogue step, 7 = persistent 128x128 with an epilogue
-// warpgroup; +16 = timing hook (mainloop
-// only, statistics not computed).
+// launch (kernel/sm90.py LAUNCHES, where "auto" is resolved by row count): 1 = CTA 128x256, 2 = CTA 64x256,
+// 3 = CTA 64x128, 4 = persistent ping-pong 64x256; + 16 = timing hook (mainloop only, statistics not computed).
 void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targets, torch::Tensor temperature,
                  c10::optional<torch::Tensor> bias, int64_t vocab_start, int64_t n_real, torch::Tensor tile_max,
                  torch::Tensor tile_sum, torch::Tensor target_logit, c10::optional<torch::Tensor> logits,
-                 int64_t variant) {
+                 int64_t launch) {
   FusedParams p = entry_params("sm90", "n_real", hidden, weight, targets, temperature, bias, vocab_start, n_real);
   TORCH_CHECK(vocab_start % kTile == 0, "sm90: vocab_start must be a multiple of 64");
   const long long n = hidden.size(0);
@@ -149,25 +150,22 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
   p.tile_sum = tile_sum.data_ptr<float>();
   p.target_logit = target_logit.data_ptr<float>();
   p.logits = nullptr;
-  p.skip_epilogue = (variant & 16) ? 1 : 0;
-  variant &= 15;
+  p.skip_epilogue = (launch & 16) ? 1 : 0;
+  const int which = static_cast<int>(launch & 15);
   if (logits.has_value()) {
     check_f32_2d(*logits, "logits", n, n_real);
     p.logits = logits->data_ptr<float>();
+    p.logits_pairs = (n_real % 2 == 0) && (reinterpret_cast<uintptr_t>(p.logits) % 8 == 0);
   }
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(hidden.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (variant == 0) variant = (n <= 64) ? 2 : 1;
-  switch (variant) {
-    case 1: launch_fused<2, 256, 1>(hidden, weight, p, stream); break;
-    case 2: launch_fused<1, 128, 1>(hidden, weight, p, stream); break;
-    case 3: launch_fused<1, 64, 1>(hidden, weight, p, stream); break;
-    case 4: launch_pingpong<128>(hidden, weight, p, stream); break;
-    case 5: launch_pingpong<256>(hidden, weight, p, stream); break;
-    case 6: launch_fused<2, 256, 2>(hidden, weight, p, stream); break;
-    case 7: launch_epiwg<true>(hidden, weight, p, stream); break;
-    default: TORCH_CHECK(false, "sm90: unknown variant ", variant);
+  switch (which) {
+    case 1: launch_cta<2, 256>(hidden, weight, p, stream); break;
+    case 2: launch_cta<1, 128>(hidden, weight, p, stream); break;
+    case 3: launch_cta<1, 64>(hidden, weight, p, stream); break;
+    case 4: launch_pingpong<256>(hidden, weight, p, stream); break;
+    default: TORCH_CHECK(false, "sm90: unknown launch ", launch);
   }
 }
 
@@ -229,7 +227,7 @@ std::vector<int64_t> contract_constants() {
 }
 
 // Test hooks: the device exp/log over a float32 tensor.
-__global__ void explog_kernel(const float* x, float* e, float* l, float* en, long long n) {
+static __global__ void explog_kernel(const float* x, float* e, float* l, float* en, long long n) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) {
     e[i] = contract::contract_exp(x[i]);
@@ -251,25 +249,4 @@ std::vector<torch::Tensor> explog(torch::Tensor x) {
   return {e, l, en};
 }
 
-}  // namespace
-
-// sm90_backward.cu
-void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
-                 torch::Tensor temperature, torch::Tensor lse, torch::Tensor coef, torch::Tensor g_logp,
-                 torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out);
-// sm90_transforms.cu
-torch::Tensor topp_crossing(torch::Tensor q, double p);
-// sm90_fingerprint.cu
-torch::Tensor fingerprint_rows(torch::Tensor words, torch::Tensor mult, int64_t first_row, int64_t g0, int64_t g1);
 }  // namespace sm90
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fused_stats", &sm90::fused_stats, "GEMM + contract tile statistics (sm_90a)");
-  m.def("merge_stats", &sm90::merge_stats, "contract row merge");
-  m.def("logits_stats", &sm90::logits_stats, "contract tile statistics from FP32 logits");
-  m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
-  m.def("explog", &sm90::explog, "contract exp/log on the device (test hook)");
-  m.def("backward_dz", &sm90::backward_dz, "backward: recompute GEMM of one vocabulary chunk with the bf16 logit gradient as its epilogue");
-  m.def("fingerprint_rows", &sm90::fingerprint_rows, "lm_head fingerprint: [V, 2] row hashes");
-  m.def("topp_crossing", &sm90::topp_crossing, "top-p: first sequential binary32 prefix sum >= p per row");
-}

@@ -1,0 +1,77 @@
+// The parameters of the fused GEMM kernels (forward statistics and backward dz) and the constants they share.
+#pragma once
+#include <cstdint>
+#include "contract_math.cuh"
+
+static_assert(contract::VOCAB_TILE == 64, "contract v1: VOCAB_TILE is 64");
+static_assert(contract::K_GROUP == 16, "contract v1: K group is 16 (one wgmma k16 step)");
+
+namespace sm90 {
+
+constexpr int kTile = contract::VOCAB_TILE;
+constexpr int kBK = 64;                 // K elements per pipeline stage: 4 ascending k16 groups, 128 B rows
+constexpr int kGroupsPerStage = kBK / contract::K_GROUP;
+static_assert(kGroupsPerStage * contract::K_GROUP == kBK, "stage holds whole k16 groups");
+constexpr int kConsumers = 2;           // consumer warpgroups
+constexpr int kThreads = 128 * (kConsumers + 1);   // + the producer warpgroup
+constexpr int kGroupM = 16;             // grid raster: M tiles per group (L2 reuse of the weight tiles)
+
+// hidden [N, D] and weight [V_rows, D] bf16 reach the kernels as TMA maps. Outputs of the forward: tile_max,
+// tile_sum [N, nt] (nt = ceil(n_real / 64)), target_logit [N] (rows whose target lies in this shard only),
+// logits [N, n_real] unscaled (optional).
+struct FusedParams {
+  int n_rows, d, n_real, nt, num_m, num_n;
+  long long vocab_start;
+  const int64_t* targets;
+  const float* temperature;
+  const float* bias;  // [n_real..] local columns, or null
+  float* tile_max;
+  float* tile_sum;
+  float* target_logit;
+  float* logits;      // [N, n_real] or null
+  int logits_pairs;   // logits may be written as 8-byte pairs (n_real even, 8-byte aligned start)
+  int paired;         // ping-pong kernel: a CTA takes tiles in pairs (the two 64-row halves of a 128-row block)
+  int skip_epilogue;  // timing hook only (bench): mainloop without statistics
+  // Backward (dz_epilogue.cuh): instead of statistics, the logit gradient of every element
+  // dz = (coef * exp(z' - lse) + g_logp [column == target]) / T, rounded to bf16, stored through a TMA map.
+  const float* lse;
+  const float* coef;    // g_lse - g_logp
+  const float* g_logp;
+};
+
+// Grouped raster over (m tile, n tile): kGroupM consecutive m tiles share each n tile.
+__device__ __forceinline__ void tile_coords(int tile, int num_m, int num_n, int& mt, int& nt) {
+  const int per_group = kGroupM * num_n;
+  const int group = tile / per_group;
+  const int first_m = group * kGroupM;
+  const int gsz = min(num_m - first_m, kGroupM);
+  mt = first_m + (tile % per_group) % gsz;
+  nt = (tile % per_group) / gsz;
+}
+
+// wgmma accumulator layout of a 64-row warpgroup tile: warp w, lane l holds rows 16w + l/4 and 16w + l/4 + 8,
+// columns 8j + 2(l % 4) + e of each 8-column group j; acc[4j + 2h + e] is row 16w + l/4 + 8h.
+__device__ __forceinline__ int thread_row_base(int row0) {
+  const int tid = threadIdx.x % 128;
+  return row0 + 16 * (tid / 32) + (tid % 32) / 4;
+}
+
+// Per-row inputs of this thread's two rows (row_base, row_base + 8), loaded once per tile.
+struct RowInfo {
+  float T[2];
+  long long tcol[2];   // target column relative to the shard start; -1 for rows beyond N
+};
+
+__device__ __forceinline__ RowInfo load_rows(const FusedParams& p, int row_base) {
+  RowInfo r;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + 8 * h;
+    const bool ok = row < p.n_rows;
+    r.T[h] = ok ? p.temperature[row] : 1.0f;
+    r.tcol[h] = ok ? static_cast<long long>(p.targets[row]) - p.vocab_start : -1;
+  }
+  return r;
+}
+
+}  // namespace sm90

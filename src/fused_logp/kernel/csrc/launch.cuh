@@ -1,0 +1,131 @@
+// Host side of the fused kernels: TMA tensor maps, the checks the forward and backward entries share, and the
+// launch of each schedule (instantiated one per translation unit, sm90_cta_*.cu and sm90_pingpong_64x256.cu, so
+// that the build compiles them in parallel).
+#pragma once
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+#include "fused_kernels.cuh"
+
+namespace sm90 {
+
+inline PFN_cuTensorMapEncodeTiled_v12000 get_encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (fn == nullptr) {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
+    TORCH_CHECK(err == cudaSuccess && q == cudaDriverEntryPointSuccess && ptr != nullptr,
+                "sm90: cuTensorMapEncodeTiled not available from the driver");
+    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }
+  return fn;
+}
+
+inline CUtensorMap make_map(const torch::Tensor& t, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(t.size(0))};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(t.stride(0)) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t estr[2] = {1, 1};
+  CUresult r = get_encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box, estr,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "sm90: cuTensorMapEncodeTiled failed with code ", static_cast<int>(r));
+  return map;
+}
+
+// Host entries (forward statistics in sm90_linear_logp.cu, backward dz in sm90_backward.cu): the checks they
+// share and the FusedParams fields they fill. hidden [N, D] and weight [R, D]: contiguous CUDA bfloat16, D a
+// positive multiple of 16; n_real (named cols_name in messages) in [1, R]; targets [N] contiguous CUDA int64;
+// temperature [N] contiguous CUDA float32; bias contiguous CUDA float32 covering the n_real columns, or none.
+inline FusedParams entry_params(const char* who, const char* cols_name, const torch::Tensor& hidden,
+                                const torch::Tensor& weight, const torch::Tensor& targets,
+                                const torch::Tensor& temperature, const c10::optional<torch::Tensor>& bias,
+                                long long vocab_start, long long n_real) {
+  TORCH_CHECK(hidden.is_cuda() && weight.is_cuda() && hidden.scalar_type() == torch::kBFloat16 &&
+                  weight.scalar_type() == torch::kBFloat16 && hidden.dim() == 2 && weight.dim() == 2 &&
+                  hidden.size(1) == weight.size(1) && hidden.is_contiguous() && weight.is_contiguous(),
+              who, ": hidden [N, D] and weight [R, D] must be contiguous CUDA bfloat16");
+  const long long n = hidden.size(0), d = hidden.size(1);
+  TORCH_CHECK(d % contract::K_GROUP == 0 && d > 0, who, ": D must be a positive multiple of 16");
+  TORCH_CHECK(n_real >= 1 && n_real <= weight.size(0), who, ": ", cols_name, " must be in [1, ", weight.size(0),
+              "], got ", n_real);
+  TORCH_CHECK(n < (1LL << 31) && n_real < (1LL << 31), who, ": sizes too large");
+  TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kInt64 && targets.is_contiguous() &&
+                  targets.numel() == n, who, ": targets must be contiguous CUDA int64 [N]");
+  TORCH_CHECK(temperature.is_cuda() && temperature.scalar_type() == torch::kFloat32 &&
+                  temperature.is_contiguous() && temperature.numel() == n,
+              who, ": temperature must be contiguous CUDA float32 [N]");
+  FusedParams p{};
+  p.n_rows = static_cast<int>(n);
+  p.d = static_cast<int>(d);
+  p.n_real = static_cast<int>(n_real);
+  p.vocab_start = vocab_start;
+  p.targets = targets.data_ptr<int64_t>();
+  p.temperature = temperature.data_ptr<float>();
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() >= n_real, who, ": bias must be contiguous CUDA float32 covering the ", cols_name,
+                " columns");
+    p.bias = bias->data_ptr<float>();
+  }
+  return p;
+}
+
+inline int sm_count() {
+  int dev = 0, n = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM).
+template <int WM, int WGN>
+void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream) {
+  using C = Cfg<WM, WGN>;
+  FusedParams q = p;
+  q.num_m = (p.n_rows + C::BM - 1) / C::BM;
+  q.num_n = (p.n_real + C::BN - 1) / C::BN;
+  const CUtensorMap mh = make_map(hidden, C::BM);
+  const CUtensorMap mw = make_map(weight, C::BN);
+  auto kern = (p.d % kBK == 0) ? fused_cta_kernel<WM, WGN, true, false> : fused_cta_kernel<WM, WGN, false, false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+  const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
+  TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");
+  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, mh /*map_o: dz kernels only*/, q);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Forward statistics with the persistent ping-pong kernel (64 x 256 tiles, one CTA per SM at most).
+template <int WGN>
+void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
+                     cudaStream_t stream) {
+  using C = PPCfg;
+  static_assert(WGN == C::WGN, "one ping-pong tile shape");
+  FusedParams q = p;
+  q.num_m = (p.n_rows + C::BM - 1) / C::BM;
+  q.num_n = (p.n_real + C::BN - 1) / C::BN;
+  q.paired = q.num_m > 1 ? 1 : 0;
+  const CUtensorMap mh = make_map(hidden, C::BM);
+  const CUtensorMap mw = make_map(weight, C::BN);
+  auto kern = (p.d % kBK == 0) ? fused_pingpong_kernel<true> : fused_pingpong_kernel<false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+  const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
+  TORCH_CHECK(tiles < (1LL << 30), "sm90: too many tiles");
+  const long long units = q.paired ? (tiles + 1) / 2 : tiles;
+  const int grid = static_cast<int>(std::min<long long>(units, sm_count()));
+  kern<<<grid, kThreads, C::SMEM, stream>>>(mh, mw, q);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
+extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
+extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
+extern template void launch_pingpong<256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
+
+}  // namespace sm90

@@ -1,6 +1,0 @@
-// CTA tile 64x256 (rows x vocabulary columns) of the fused kernel.
-#include "sm90_fused.cuh"
-
-namespace sm90 {
-template void launch_fused<1, 128, 1>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
-}  // namespace sm90
