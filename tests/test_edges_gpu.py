@@ -98,6 +98,26 @@ def test_zero_product_takes_no_part_in_emax(zero, regime):
     assert _same(_cublas(h.cuda(), w.cuda()), want, exact=True)
 
 
+def test_kernel_equals_oracle_on_property_draws():
+    """The draws of the CPU property test (tests/test_contract_edges.py: the whole bf16 range, values near one
+    scale, zeros against large weights): the kernel's logits equal the oracle's bit for bit."""
+    from hypothesis import HealthCheck, given, settings
+
+    from test_contract_edges import _bf16, bf16_problem
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(bf16_problem())
+    def check(prob):
+        h, w = _bf16(prob[0]), _bf16(prob[1])
+        t = torch.zeros(h.shape[0], dtype=torch.int64)
+        want = linear_logp(h, w, t, return_logits=True, backend="oracle")
+        got = linear_logp(h.cuda(), w.cuda(), t.cuda(), return_logits=True, backend="sm90")
+        assert _same(got.logits, want.logits, exact=True)
+        assert _same(got.lse, want.lse) and _same(got.logp, want.logp)
+
+    check()
+
+
 def test_kernel_on_the_rule_points():
     """The hand-built points (one per sentence of CONTRACT.md section 2) give the kernel the H200 bits that cuBLAS
     gave (tests/data/rule-points-h200.json) and the oracle gives."""
