@@ -10,8 +10,8 @@ tracker, default causal mask, RoPE and scratch buffers run as in training.
 Mirrors tests/test_megatron_plugin.py: the model's logp/lse bytes equal the op called directly (backend sm90) on
 the captured final hidden states and the lm_head's real-vocabulary rows; per-token temperature; padded rows never
 enter the lse; gradients of the final hidden states and the lm_head against an FP32 torch reference; the flag off
-leaves Megatron's output untouched; ids >= the real vocabulary rejected (in a child process: on CUDA the check is
-a device-side assertion, after which the CUDA context is unusable); strict mode; refusals; the fingerprint and
+leaves Megatron's output untouched; ids >= the real vocabulary rejected (in a child process: on CUDA the row is NaN and
+check_input_errors() names the argument); strict mode; refusals; the fingerprint and
 weight version after an optimizer step. Skipped without an SM90 GPU or without megatron-core.
 
 FUSED_LOGP_TEST_MEGATRON_GPU_ON_CPU=1 runs the same checks on CPU at small shapes (gloo, the CPU oracle,
@@ -320,20 +320,22 @@ def _reject_child():
     try:
         with torch.no_grad():
             out = wrapped(ids, pos, None, labels=lab)
-            float(out.logp.sum())                                 # synchronises
+            print(f"BAD ROW NAN={bool(torch.isnan(out.logp).any())} FINITE={int(torch.isfinite(out.logp).sum())}"
+                  f" OF {out.logp.numel()}", flush=True)
         if DEV == "cuda":
-            torch.cuda.synchronize()
+            from fused_logp import check_input_errors
+            check_input_errors()                                  # synchronises and raises for the bad row
     except Exception as exc:                                      # noqa: BLE001 - reported to the parent
         print(f"REJECTED: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}", flush=True)
-        os._exit(0)                                               # the CUDA context is gone: no teardown
+        os._exit(0)
     print("NOT REJECTED", flush=True)
     os._exit(1)
 
 
 def test_label_outside_real_vocab_rejected():
     """A label >= the real vocabulary at an unmasked position is refused; masked-out positions are not checked.
-    On CUDA the plugin checks without a host synchronisation (torch._assert_async), so the refusal is a
-    device-side assertion that ends the CUDA context: it runs in a child process."""
+    On CUDA the op checks without a host synchronisation: the row's logp is NaN and check_input_errors() raises
+    naming the argument; the CUDA context stays usable. It runs in a child process all the same."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONUNBUFFERED="1")
     if ON_CPU:
         env[ON_CPU_VAR] = "1"
@@ -346,7 +348,8 @@ def test_label_outside_real_vocab_rejected():
     if ON_CPU:
         assert "ContractInputError" in line and f"real vocabulary [0, {REAL})" in line, line
     else:
-        assert "device-side assert" in line, line
+        assert "ContractInputError" in line and "targets" in line, line
+        assert "BAD ROW NAN=True" in r.stdout, tail
 
 
 @pytest.mark.parametrize("fields, match", [
