@@ -150,10 +150,10 @@ def _parts(h, w, t):
     """The backward's passes over the whole vocabulary, each timed alone: the recompute GEMM with the dz
     epilogue (all chunks), the dh GEMMs (all chunks and slices) and the dW GEMMs, next to one cuBLAS GEMM with
     FP32 output (the recompute's former first step)."""
-    from fused_logp.kernel import sm90
-    ext = sm90.extension(h.device)
+    from fused_logp.kernel.backends import device_backend
+    ext = device_backend(h.device)
     if ext is None:
-        return {"parts": "sm90 extension unavailable"}
+        return {"parts": "sm90 backend unavailable"}
     n = h.shape[0]
     c, sl = autograd.CUDA_CHUNK, autograd._CUDA_SLICE
     n_pad = -(-n // sl) * sl
