@@ -155,3 +155,11 @@ def test_model_runner_v2_wrappers_installed():
         assert fn.__code__.co_filename == mod.__file__, fn
         assert not hasattr(fn.__wrapped__, "__wrapped__"), "wrapped twice"
 
+
+
+def test_vllm_warmup_requests_are_recognised():
+    """vLLM's start-up warm-up requests (which exercise penalties, biases, bad words) leave no non-contract notes."""
+    from fused_logp.vllm_plugin.state import is_vllm_warmup
+
+    assert is_vllm_warmup("_warmup_3_") and is_vllm_warmup("_v2_mixed_warmup_decode_")
+    assert not is_vllm_warmup("0-1a2b3c4d") and not is_vllm_warmup("cmpl-abc-0-1a2b3c4d") and not is_vllm_warmup(None)

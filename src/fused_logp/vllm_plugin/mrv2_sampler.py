@@ -12,7 +12,7 @@ import functools
 
 from .policy import request_reasons, transform_program, transform_reasons
 from .scoring import check_sampled, effective_temperature, kept_rows, program_groups, rescore
-from .state import mark_of
+from .state import is_vllm_warmup, mark_of
 
 
 def row_temperature(sampler, input_batch):
@@ -71,8 +71,8 @@ def install(shapes) -> None:
             check_sampled(keep, out.sampled_token_ids, groups, None)
             return out
         flagged = self.__dict__.get("_fused_logp_flagged", {})
-        for i in idx:
-            if flagged.get(int(i)):
+        for i, rid in zip(idx, input_batch.req_ids):
+            if flagged.get(int(i)) and not is_vllm_warmup(rid):     # vLLM's warm-up exercises every feature
                 mark.state.note(flagged[int(i)])
         z = logits.clone() if wants_logprobs(self, idx) else None
         masked = logits if keep is None else logits.masked_fill(~keep, float("-inf"))

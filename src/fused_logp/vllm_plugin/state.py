@@ -106,5 +106,14 @@ class Mark:
     hidden: torch.Tensor | None        # [N, D] bf16, kept only when capturing
 
 
+# vLLM's own warm-up requests (Model Runner V2 warm-up; "for_sampler_warmup" exercises every sampling feature)
+WARMUP_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+
+
+def is_vllm_warmup(req_id) -> bool:
+    """True for the ids of the requests vLLM makes up during its start-up warm-up (not the caller's)."""
+    return isinstance(req_id, str) and req_id.startswith(WARMUP_PREFIXES)
+
+
 def mark_of(logits):
     return getattr(logits, "_fused_logp", None)

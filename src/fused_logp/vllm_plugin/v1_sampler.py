@@ -93,7 +93,8 @@ def install_sampler() -> None:
         restore = None
         if keep is not None:
             md, restore = neutralise(md, groups, logits.shape[1])
-        mark.state.note(non_contract_flags(md))
+        if ROW_REQS.get() is not None:                # not vLLM's dummy sampler run at start-up
+            mark.state.note(non_contract_flags(md))
         want = md.max_num_logprobs is not None or bool(md.logprob_token_ids)
         z = logits.clone() if want else None          # the sampler divides FP32 logits by T in place
         token = SAMPLE_KEEP.set(keep)
