@@ -236,6 +236,8 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     if plugin:
         res["status"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["provenance"]
     g = torch.Generator().manual_seed(3)
+    if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE"):
+        res["profile"] = _profile_decode(llm, g)
     for bs in (1, 64, 256):
         prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist())
                    for _ in range(bs)]
@@ -255,6 +257,28 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     return res
 
 
+def _profile_decode(llm, g, bs: int = 64, out_tokens: int = 16) -> dict:
+    """torch.profiler over one generate call: the top CUDA kernels and CPU ops by time, and the host
+    synchronisations (the plugin's cost split for the next run)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist()) for _ in range(bs)]
+    params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
+              for i in range(bs)]
+    llm.generate(prompts, params, use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    ev = prof.key_averages()
+    cuda = sorted(ev, key=lambda e: -getattr(e, "device_time_total", 0))[:15]
+    cpu = sorted(ev, key=lambda e: -e.cpu_time_total)[:25]
+    syncs = {e.key: e.count for e in ev if "Synchronize" in e.key or "Memcpy" in e.key or "item" in e.key}
+    return {"cuda_top_us": {e.key[:80]: round(getattr(e, "device_time_total", 0), 1) for e in cuda},
+            "cpu_top_us": {e.key[:80]: round(e.cpu_time_total, 1) for e in cpu}, "sync_like_counts": syncs}
+
+
 def run_score() -> dict:
     import torch
 
@@ -263,7 +287,7 @@ def run_score() -> dict:
     g = torch.Generator(device="cuda").manual_seed(5)
     res = {}
     w = (torch.randn(VOCAB, HIDDEN, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
-    for n in (256, 2048):
+    for n in (1, 64, 256, 2048):
         h = torch.randn(n, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
         tg = torch.randint(0, VOCAB, (n,), generator=g, device="cuda")
 
@@ -274,8 +298,15 @@ def run_score() -> dict:
             z = torch.nn.functional.linear(h, w).float()
             return z.log_softmax(-1).gather(1, tg[:, None])[:, 0]
 
+        def head_plugin():            # what the plugin's head runs per decode step (FP32 logits out)
+            return linear_logp(h, w, tg, backend="sm90", return_logits=True, vocab_size=VOCAB).logits
+
+        def head_vllm():              # what vLLM's head runs per decode step (bf16 GEMM)
+            return torch.nn.functional.linear(h, w)
+
         out = {}
-        for name, fn in (("contract_sm90", contract), ("torch_linear_log_softmax", plain)):
+        for name, fn in (("contract_sm90", contract), ("torch_linear_log_softmax", plain),
+                         ("head_plugin_return_logits", head_plugin), ("head_vllm_bf16_gemm", head_vllm)):
             for _ in range(3):
                 fn()
             ts = []
@@ -288,6 +319,7 @@ def run_score() -> dict:
                 ts.append(s.elapsed_time(e))
             out[name + "_ms"] = round(statistics.median(ts), 4)
         out["ratio"] = round(out["contract_sm90_ms"] / out["torch_linear_log_softmax_ms"], 3)
+        out["head_ratio"] = round(out["head_plugin_return_logits_ms"] / out["head_vllm_bf16_gemm_ms"], 3)
         res[str(n)] = out
     return res
 
