@@ -78,7 +78,7 @@ class FusedLogpLogitsProcessor(LogitsProcessor):
         res = linear_logp(h, w, targets, bias=bias, return_logits=True, vocab_size=n_real,
                           backend=st.settings.backend, strict=st.settings.strict)
         st.op_calls += 1
-        st.provenance = res.provenance.to_dict()
+        st.provenance = res.provenance                                         # to_dict() when read
         logits = res.logits                                                     # [N, n_real] fp32, unscaled
         if lm_head.tp_size > 1:
             width = lm_head.num_embeddings_per_partition

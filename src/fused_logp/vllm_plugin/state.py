@@ -69,7 +69,7 @@ class HeadState:
     """Per-processor record, read through the workers' fused_logp_status RPC."""
     settings: PluginSettings
     notes: set = dataclasses.field(default_factory=set)        # non-contract features seen
-    provenance: dict | None = None
+    provenance: object = None                                  # the op's last Provenance
     fingerprint: str | None = None
     fingerprint_changes: int = 0                               # informational: how often the bytes changed
     op_calls: int = 0

@@ -32,7 +32,7 @@ def same_request(captured_id: str | None, request_id: str) -> bool:
 def head_status(st) -> dict:
     return {
         "strict": st.settings.strict, "backend": st.settings.backend, "contract_version": CONTRACT_VERSION,
-        "provenance": st.provenance, "fallback": st.fallback, "non_contract": sorted(st.notes),
+        "provenance": None if st.provenance is None else st.provenance.to_dict(), "fallback": st.fallback, "non_contract": sorted(st.notes),
         "op_calls": st.op_calls, "rows_rescored": st.rows_rescored, "rows_program": st.rows_program,
         "transform_program_version": TRANSFORM_PROGRAM_VERSION,
         "fingerprint": st.fingerprint, "weight_version": st.fingerprint,

@@ -124,6 +124,23 @@ def install_sampler() -> None:
     Sampler.sample = sample
 
 
+_UNSET = object()
+
+
+def _program_of(req):
+    """A request's transform program, computed once per request (kept on vLLM's request state)."""
+    if req is None:
+        return None
+    prog = getattr(req, "_fused_logp_program", _UNSET)
+    if prog is _UNSET:
+        prog = transform_program(req.sampling_params)
+        try:
+            req._fused_logp_program = prog
+        except AttributeError:            # a request state that takes no attributes: compute every step
+            pass
+    return prog
+
+
 def install_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -134,8 +151,7 @@ def install_runner() -> None:
         if mark_of(logits) is None:
             return orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
         req_ids = list(self.input_batch.req_ids)
-        programs = [None if self.requests.get(r) is None else transform_program(self.requests[r].sampling_params)
-                    for r in req_ids]
+        programs = [_program_of(self.requests.get(r)) for r in req_ids]
         token = ROW_REQS.set(req_ids)
         ptoken = ROW_PROGRAMS.set(None if spec_decode_metadata is not None else programs)
         try:
