@@ -164,15 +164,19 @@ class _RowErrors:
     """Invalid rows per argument on one device since the last check: a device counter, and its snapshot copied
     to pinned host memory after each call (no synchronisation) so that a later call can read it once done."""
 
+    # The counter lives across calls made inside and outside torch.inference_mode (vLLM serves in it, a trainer
+    # does not): it is an ordinary tensor, created and updated with inference mode off.
     def __init__(self, device):
-        self.count = torch.zeros(len(_ROW_ARGS), dtype=torch.int64, device=device)
-        self.snapshot = torch.zeros(len(_ROW_ARGS), dtype=torch.int64, pin_memory=True)
+        with torch.inference_mode(False):
+            self.count = torch.zeros(len(_ROW_ARGS), dtype=torch.int64, device=device)
+            self.snapshot = torch.zeros(len(_ROW_ARGS), dtype=torch.int64, pin_memory=True)
         self.event = None
 
     def record(self, masks):
-        zero = self.count[0] * 0
-        self.count.add_(torch.stack([zero if m is None else m.sum() for m in masks]))
-        self.snapshot.copy_(self.count, non_blocking=True)
+        with torch.inference_mode(False), torch.no_grad():
+            zero = self.count[0] * 0
+            self.count.add_(torch.stack([zero if m is None else m.sum() for m in masks]))
+            self.snapshot.copy_(self.count, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(self.count.device))
 
@@ -188,7 +192,8 @@ class _RowErrors:
         self.event = None
         if not any(counts):
             return None
-        self.count.zero_()
+        with torch.inference_mode(False):
+            self.count.zero_()
         return counts
 
 
