@@ -427,3 +427,20 @@ def test_equals_numpy_oracle_on_fresh_edge_inputs(case, path):
     bad = _logit_mismatches(b.logits, a.logits)
     assert not bad.any(), f"{case} seed {seed}: {int(bad.sum())} logits differ"
     assert same_bytes(b.logp, a.logp) and same_bytes(b.lse, a.lse), f"{case} seed {seed}"
+
+
+def test_rule_points_equal_h200(path):
+    """The hand-built points of section 2 (tests/edge_inputs.py RULE_POINTS): the bits the H200 gave
+    (tests/data/rule-points-h200.json), on both GEMM paths."""
+    import json
+
+    from edge_inputs import RULE_POINTS
+    with open(os.path.join(os.path.dirname(_H200), "rule-points-h200.json")) as f:
+        h200 = json.load(f)["h200_bits"]
+    k = 16 * max(-(-max(len(hv), len(wv)) // 16) for hv, wv in RULE_POINTS.values())
+    for name, (hv, wv) in sorted(RULE_POINTS.items()):
+        h, w = torch.zeros(1, k), torch.zeros(1, k)
+        h[0, :len(hv)] = torch.tensor(hv, dtype=torch.float64).float()
+        w[0, :len(wv)] = torch.tensor(wv, dtype=torch.float64).float()
+        one = FAST.logits(h.bfloat16(), w.bfloat16(), 1)
+        assert (one.view(torch.int32).item() & 0xFFFFFFFF) == int(h200[name], 16), name
