@@ -348,23 +348,38 @@ def test_audit_reads_the_plugin_capture_and_skips_padding_columns(gen, tmp_path)
     import json
 
     from fused_logp.audit import main
-    h, w, t, temp, logp, lse, _, _, v = _rollout(gen)
+    from fused_logp.kernel.transforms import TransformProgram, program_logp_from_logits
+    h, w, t, temp, logp, lse, top_k, top_p, v = _rollout(gen)
     ids = torch.stack([t, torch.randint(0, v, (11,), generator=gen)], dim=1)
-    lp = logp_from_logits(linear_logp(h, w, t, temperature=temp, vocab_size=v, return_logits=True).logits, ids,
-                          temperature=temp, backend="oracle").logp
+    z = linear_logp(h, w, t, temperature=temp, vocab_size=v, return_logits=True).logits
+    lp = logp_from_logits(z, ids, temperature=temp, backend="oracle").logp
     recs = []
     for r in range(11):
-        vals = [float(x) for x in lp[r]]
+        prog = None
+        if top_k[r] > 0 or top_p[r] < 1:                 # the plugin's value: the program's logp, -inf outside its kept set
+            prog = TransformProgram(temperature=float(temp[r]), top_k=int(top_k[r]) or None,
+                                    top_p=float(top_p[r]) if top_p[r] < 1 else None)
+            plp, _, kept = program_logp_from_logits(z[r:r + 1], ids[r:r + 1], prog, vocab_size=v, require_kept=False)
+            lp[r] = torch.where(kept, plp, torch.full_like(plp, float("-inf")))[0]
+        vals = [float(x) if torch.isfinite(x) else repr(float(x)) for x in lp[r]]
         recs.append({"kind": "sample", "req_id": f"r{r}", "hidden": h[r].view(torch.int16).tolist(),
                      "temperature": float(temp[r]), "ids": ids[r].tolist() + [0],
-                     "logprobs": vals + ["-inf"], "program": None})
+                     "logprobs": vals + ["-inf"], "program": None if prog is None else prog.to_dict()})
     (tmp_path / "cap.jsonl").write_text("\n".join(json.dumps(x) for x in recs) + "\n")
     torch.save({"weight": w}, tmp_path / "head.pt")
     out = tmp_path / "rep.json"
     assert main([str(tmp_path / "cap.jsonl"), "--weight", str(tmp_path / "head.pt"), "--vocab-size", str(v),
                  "--out", str(out), "--no-progress"]) == 0
     rep = json.loads(out.read_text())
-    assert rep["values_checked"] == 22 and rep["values_skipped_padding"] == 11
+    n_inf = int(torch.isneginf(lp).sum())
+    assert rep["values_checked"] == 22 - n_inf and rep["values_skipped"] == 11 + n_inf
+    assert rep["program_rows"] == 3
+    one_ulp = torch.tensor([recs[7]["logprobs"][0]]).view(torch.int32).add(1).view(torch.float32).item()
+    recs[7]["logprobs"][0] = one_ulp                                              # a program row's value, one ulp off
+    (tmp_path / "cap.jsonl").write_text("\n".join(json.dumps(x) for x in recs) + "\n")
+    assert main([str(tmp_path / "cap.jsonl"), "--weight", str(tmp_path / "head.pt"), "--vocab-size", str(v),
+                 "--out", str(out), "--no-progress"]) == 1
+    assert json.loads(out.read_text())["first_mismatches"][0]["row"] == 7
 
 
 def test_audit_refuses_unusable_inputs_with_a_message(tmp_path, capsys):

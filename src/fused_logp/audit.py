@@ -30,8 +30,8 @@ Capture formats (CAPTURE):
 
 2. The vLLM plugin's captured rows (settings `capture: true`, read with `fused_logp_captured`): a `.json` list
    or `.jsonl` (one record a line) of {"hidden": [bf16 bit patterns], "ids": [...], "logprobs": [...],
-   "temperature": T, "program": {...} or null}. A recorded -inf on a row without a program is vLLM's padding
-   column and is not compared.
+   "temperature": T, "program": {...} or null}. A recorded -inf there carries no logprob (vLLM's padding column,
+   or an id outside the program's kept set) and is not compared; every finite value is.
 
 `write_capture(path, ...)` writes format 1.
 
@@ -295,9 +295,8 @@ def audit(capture: dict, weight: torch.Tensor, *, vocab_size: int | None = None,
         program_row = torch.zeros(r1 - r0, dtype=torch.bool)
         for rows in groups.values():
             program_row[rows] = True
-        if plugin:        # vLLM's padding columns are -inf in its output and stay so in the plugin's
-            pr = program_row[:, None] if two_d else program_row
-            compare &= ~(torch.isneginf(rb) & ~pr)
+        if plugin:        # -inf in the plugin's rows carries no logprob: vLLM's padding column or an id outside the
+            compare &= ~torch.isneginf(rb)                  # kept set; both are left out (counted as skipped)
         diff = _differs(got, rb) & compare
         checked += int(compare.sum())
         skipped += int((~compare).sum())
@@ -328,7 +327,7 @@ def audit(capture: dict, weight: torch.Tensor, *, vocab_size: int | None = None,
         bar.close()
     seconds = time.perf_counter() - t0
     return {
-        "rows": n, "values_checked": checked, "values_skipped_padding": skipped,
+        "rows": n, "values_checked": checked, "values_skipped": skipped,
         "logp_mismatches": mism_logp, "lse_mismatches": mism_lse, "lse_recorded": rec_lse is not None,
         "program_rows": sum(1 for p in programs[:n] if p is not None),
         "seconds": seconds, "rows_per_s": (n / seconds) if seconds > 0 else None,
@@ -367,7 +366,7 @@ def main(argv=None) -> int:
     print(f"audit: {rep['rows']} rows ({rep['program_rows']} with a sampling program), D={rep['hidden_size']}, "
           f"V={rep['vocab_size']}, backend {rep['backend']}")
     print(f"  logp values checked: {rep['values_checked']}, mismatching: {rep['logp_mismatches']}"
-          + (f" (skipped {rep['values_skipped_padding']} -inf padding columns)" if rep['values_skipped_padding'] else ""))
+          + (f" (skipped {rep['values_skipped']} recorded -inf)" if rep['values_skipped'] else ""))
     if rep["lse_recorded"]:
         print(f"  lse mismatching: {rep['lse_mismatches']}")
     for m in rep["first_mismatches"]:
