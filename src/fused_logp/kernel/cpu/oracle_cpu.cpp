@@ -271,8 +271,11 @@ __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, i
   for (int l = 0; l < 16; ++l) rows[l] = w + (v0 + (l < lanes ? l : lanes - 1)) * int64_t(d);
   for (int g = g0; g < g1; ++g) {
     __m512i r[16];
-    for (int l = 0; l < 16; ++l)                   // lane l's 16 bf16 of this group, widened: r[l][k]
-      r[l] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + g * KG)));
+    int32_t* WM = p.wm.data() + size_t(g - g0) * 16;
+    for (int l = 0; l < 16; ++l) {                 // lane l's 16 bf16 of this group, sign-extended: r[l][k]
+      r[l] = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + g * KG)));
+      WM[l] = int32_t(_mm512_movepi32_mask(r[l]));  // the lane's 16 signs: bit k
+    }
     for (int s = 0; s < 4; ++s) {
       int b = 8 >> s;
       for (int i = 0; i < 16; ++i) {
@@ -282,7 +285,9 @@ __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, i
         r[i + b] = _mm512_permutex2var_epi32(x, T.hi[s], y);
       }
     }
-    __m512i m = zero;                               // now r[k][lane]
+    int32_t* MW = p.mw.data() + size_t(g - g0) * KG * 16;     // now r[k][lane]
+    int32_t* EW = p.ew.data() + size_t(g - g0) * KG * 16;
+    int32_t* SW = p.sw.data() + size_t(g - g0) * KG * 16;
     for (int k = 0; k < KG; ++k) {
       __m512i b = r[k];
       __m512i f = _mm512_and_si512(_mm512_srli_epi32(b, 7), ff);
@@ -290,15 +295,11 @@ __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, i
       __m512i mag = _mm512_mask_or_epi32(low, _mm512_cmpneq_epi32_mask(f, zero), low, h80);
       __m512i e = _mm512_sub_epi32(_mm512_max_epi32(f, one), b127);
       e = _mm512_mask_mov_epi32(e, _mm512_testn_epi32_mask(b, x7fff), zexp);
-      __m512i sg = _mm512_srai_epi32(_mm512_slli_epi32(b, 16), 31);
       nonfinite |= _mm512_cmpeq_epi32_mask(f, ff);
-      size_t o = (size_t(g - g0) * KG + k) * 16;
-      _mm512_storeu_si512(&p.mw[o], _mm512_slli_epi32(mag, PROD_PRESHIFT));
-      _mm512_storeu_si512(&p.ew[o], e);
-      _mm512_storeu_si512(&p.sw[o], sg);
-      m = _mm512_or_si512(m, _mm512_slli_epi32(_mm512_and_si512(sg, one), k));
+      _mm512_storeu_si512(MW + k * 16, _mm512_slli_epi32(mag, PROD_PRESHIFT));
+      _mm512_storeu_si512(EW + k * 16, e);
+      _mm512_storeu_si512(SW + k * 16, _mm512_srai_epi32(b, 31));
     }
-    _mm512_storeu_si512(&p.wm[size_t(g - g0) * 16], m);
   }
   return nonfinite;
 }
