@@ -342,6 +342,11 @@ def test_audit_tensor_capture_passes_and_reports_a_flipped_bit(gen, tmp_path, ca
                  "--no-progress"]) == 1
     rep = json.loads(out.read_text())
     assert rep["logp_mismatches"] == 1 and rep["first_mismatches"][0]["row"] == 6
+    from fused_logp import weight_fingerprint
+    assert rep["weight_fingerprint"] == weight_fingerprint(w[:v], vocab_size=v)
+    other = rep["weight_fingerprint"][:-1] + ("1" if rep["weight_fingerprint"][-1] == "0" else "0")
+    assert main(["audit", str(cap), "--weight", str(tmp_path / "w.safetensors"), "--no-progress",
+                 "--expect-fingerprint", other]) == 2                                 # another lm_head: refused
 
 
 def test_audit_reads_the_plugin_capture_and_skips_padding_columns(gen, tmp_path):

@@ -2,6 +2,7 @@
 
     fused-logp audit CAPTURE --weight CHECKPOINT [--weight-key KEY] [--vocab-size V] [--backend oracle-fast]
                      [--rows-per-batch 64] [--max-rows N] [--out report.json] [--show 10]
+                     [--expect-fingerprint FP]
 
 Given the final hidden rows a rollout fed to its lm_head, the lm_head weight, the token ids and the rows'
 temperatures or sampling-transform programs, the contract (CONTRACT.md) fixes every logp bit: the audit
@@ -350,6 +351,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--show", type=int, default=10, help="mismatching rows listed in the report")
     p.add_argument("--out", default=None, help="write the report as JSON here")
+    p.add_argument("--expect-fingerprint", default=None,
+                   help="the rollout's lm_head fingerprint (the plugin's status reports it): refuse a different weight")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.rows_per_batch < 1:
@@ -357,14 +360,21 @@ def main(argv=None) -> int:
     try:
         cap = load_capture(args.capture)
         weight, where = load_weight(args.weight, args.weight_key)
+        from . import weight_fingerprint
+        vocab = args.vocab_size or (int(cap["vocab_size"]) if "vocab_size" in cap else weight.shape[0])
+        fp = weight_fingerprint(weight[:vocab], vocab_size=vocab)
+        if args.expect_fingerprint is not None and args.expect_fingerprint != fp:
+            raise AuditInputError(f"the weight {where} has fingerprint {fp}, not the expected {args.expect_fingerprint}: "
+                                  f"it is not the lm_head the rollout used")
         rep = audit(cap, weight, vocab_size=args.vocab_size, backend=args.backend, rows_per_batch=args.rows_per_batch,
                     max_rows=args.max_rows, show=args.show, progress=not args.no_progress)
     except (AuditInputError, ValueError) as exc:
         print(f"fused-logp audit: {exc}", file=sys.stderr)
         return 2
-    rep["capture"], rep["weight"] = str(args.capture), where
+    rep["capture"], rep["weight"], rep["weight_fingerprint"] = str(args.capture), where, fp
     print(f"audit: {rep['rows']} rows ({rep['program_rows']} with a sampling program), D={rep['hidden_size']}, "
           f"V={rep['vocab_size']}, backend {rep['backend']}")
+    print(f"  lm_head {where}, fingerprint {fp}")
     print(f"  logp values checked: {rep['values_checked']}, mismatching: {rep['logp_mismatches']}"
           + (f" (skipped {rep['values_skipped']} recorded -inf)" if rep['values_skipped'] else ""))
     if rep["lse_recorded"]:
