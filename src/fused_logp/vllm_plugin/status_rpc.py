@@ -59,15 +59,15 @@ def fused_logp_captured(self, clear: bool = True) -> list:
     return rows
 
 
-def fused_logp_captured_ack(self, n: int) -> int:
-    """Drop the oldest n captured rows (after a `clear=False` read arrived); returns how many are left."""
+def fused_logp_captured_ack(self, n: int) -> dict:
+    """Drop the oldest n captured rows (after a `clear=False` read arrived); returns {"left": rows still held}."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"fused_logp_captured_ack: n must be an integer >= 0; got {n!r}")
     left = 0
     for st in heads(self):
         st.captured.take(n)
         left += len(st.captured)
-    return left
+    return {"left": left}
 
 
 def fused_logp_programs(self, clear: bool = True) -> dict:
