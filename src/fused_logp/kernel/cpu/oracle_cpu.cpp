@@ -478,10 +478,10 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
   // (3 arrays * 16 * 16 * 4 B = 3 KiB a group).
   const int GC = 8;
   std::vector<uint8_t> wbad(ncols, 0);
-  // At least ~16M multiply-adds (a few ms) per thread's share: a small call (a serving step) runs on one thread
-  // instead of waiting at a barrier for a second one that a busy machine may not schedule soon.
+  // At least ~2M multiply-adds (a few hundred microseconds) per thread's share: a small call (a serving step)
+  // runs on one thread instead of paying a fork and a barrier for work shorter than they are.
   const int64_t panel_macs = std::max<int64_t>(1, n * 16 * int64_t(d));
-  const int64_t panel_grain = std::max<int64_t>(1, (int64_t(1) << 24) / panel_macs);
+  const int64_t panel_grain = std::max<int64_t>(1, (int64_t(1) << 21) / panel_macs);
   at::parallel_for(0, panels, panel_grain, [&](int64_t pb, int64_t pe) {
     Panel p;
     p.resize(GC);
