@@ -118,6 +118,9 @@ def test_sm90a_compiles_without_spills(ptxas_reports):
     for src, (rc, text) in ptxas_reports.items():
         assert rc == 0, f"{src} failed to compile for sm_90a:\n{text[-4000:]}"
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        source = (CSRC / src).read_text()
+        if "__global__" not in source and '#include "launch.cuh"' not in source:
+            continue                                    # host code only (the Python bindings): nothing for ptxas
         assert spills, f"{src}: no ptxas report"
         for st, ld in spills:
             assert int(st) == 0 and int(ld) == 0, f"{src}: register spills\n{text[-4000:]}"

@@ -6,7 +6,9 @@
 //   fused_cta_kernel       one CTA per output tile (BM x BN), the two consumers share each stage and run their
 //                          epilogues after the mainloop (nothing overlaps them);
 //   fused_pingpong_kernel  persistent, one CTA per SM; the consumers take 64 x 256 tiles in turn, so one
-//                          consumer's epilogue runs while the other's mainloop keeps the tensor cores busy.
+//                          consumer's epilogue runs while the other's mainloop keeps the tensor cores busy
+//                          (launch "pingpong-64x256"; not the default: on the H200 the co-running epilogue
+//                          issues ~3.5x slower and is not hidden, bench/NOTES-sm90.md).
 // Which kernel and tile computes a logit is a free axis: no schedule changes a bit.
 #pragma once
 #include "dz_epilogue.cuh"
