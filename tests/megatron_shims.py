@@ -11,15 +11,11 @@ CUDA RNG tracker, mask, RoPE and GlobalMemoryBuffer run as in training.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fused_logp_jobs.megatron_scoring import free_port  # noqa: E402,F401  (one helper for every rendezvous)
 
 
 def causal_mask(b: int, s: int) -> torch.Tensor:

@@ -227,7 +227,7 @@ def test_tp2_model_matches_transformers_and_contract_bytes_equal_tp1(env, tmp_pa
     import torch.multiprocessing as tmp
 
     hf_dir = make_tiny_qwen3(tmp_path / "tp2", **TP2_MODEL)
-    tmp.spawn(_tp2_worker, args=(msc._free_port(), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
+    tmp.spawn(_tp2_worker, args=(msc.free_port(), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r in res:
         assert "error" not in r, r["error"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from fused_logp.shared_contract.constants import CONTRACT_VERSION  # noqa: E402
 from fused_logp.shared_contract.errors import StrictModeError  # noqa: E402
 from fused_logp.shared_contract.sampling import scoring_temperature  # noqa: E402
 from fused_logp.vllm_plugin.status_rpc import same_request  # noqa: E402
+from fused_logp_jobs.megatron_scoring import free_port  # noqa: E402
 
 PLUGIN_CFG = {"fused_logp": {"enabled": True, "strict": True, "capture": True}}
 
@@ -303,10 +303,6 @@ def test_non_strict_runs_outside_contract_with_provenance(model_dir):
 AMX_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_amx_site")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url, body, timeout=120):
@@ -320,7 +316,7 @@ def _post(url, body, timeout=120):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (AMX_SITE, env.get("PYTHONPATH")) if p)

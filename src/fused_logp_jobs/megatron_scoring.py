@@ -25,7 +25,8 @@ _INFO_ATTR = "_fused_logp_hf_info"
 # process groups
 # ---------------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (process-group rendezvous of the harness and the tests)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -38,7 +39,7 @@ def ensure_model_parallel(tp_group=None):
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     mpu_tp = parallel_state.get_tensor_model_parallel_group()
