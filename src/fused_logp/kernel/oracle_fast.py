@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from ..shared_contract import constants as C
+from .extension_build import build_checked
 
 _SRC = Path(__file__).resolve().parent / "cpu" / "oracle_cpu.cpp"
 _TILE = C.VOCAB_TILE
@@ -113,28 +114,15 @@ def _build():
         if problem:
             _ext_error = problem
             return
-        try:
-            from torch.utils.cpp_extension import load
-
-            defines = [f"-DFL_{k}={v:#x}" if k.startswith(("EXP", "LOG", "GEMM")) else f"-DFL_{k}={v}"
-                       for k, v in _defines()]
-            ext = load(
-                name=f"fused_logp_oracle_cpu_{_cpu_digest()}",
-                sources=[str(_SRC)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", *defines],
-                extra_ldflags=["-fopenmp"],
-                verbose=bool(os.environ.get("FUSED_LOGP_BUILD_VERBOSE")),
-            )
-        except Exception as exc:  # the reason is reported by available()
-            _ext_error = f"building the compiled CPU oracle failed: {type(exc).__name__}: {exc}"
-            return
-        got = [int(v) for v in ext.contract_constants()]
-        want = [v for _, v in _defines()]
-        if got != want:
-            _ext_error = (f"the compiled CPU oracle's contract constants differ from shared_contract/constants.py "
-                          f"({C.CONTRACT_VERSION}): {got} != {want}")
-            return
-        _ext = ext
+        defines = [f"-DFL_{k}={v:#x}" if k.startswith(("EXP", "LOG", "GEMM")) else f"-DFL_{k}={v}"
+                   for k, v in _defines()]
+        _ext, _ext_error = build_checked(
+            "the compiled CPU oracle", [v for _, v in _defines()],
+            name=f"fused_logp_oracle_cpu_{_cpu_digest()}",
+            sources=[str(_SRC)],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", *defines],
+            extra_ldflags=["-fopenmp"],
+        )
 
 
 def extension():

@@ -7,13 +7,13 @@ entry raises: there is no fallback here.
 """
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import torch
 
 from ..shared_contract import constants as C
+from .extension_build import build_checked
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_pingpong_64x256.cu", "sm90_cta_128x256.cu",
@@ -51,27 +51,14 @@ def _build():
     with _lock:
         if _ext is not None or _ext_error is not None:
             return
-        try:
-            from torch.utils.cpp_extension import load
-
-            ext = load(
-                name="fused_logp_sm90",
-                sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_include_paths=[str(_CSRC)],
-                extra_cuda_cflags=list(CUDA_FLAGS),
-                extra_cflags=["-O3"],
-                verbose=bool(os.environ.get("FUSED_LOGP_BUILD_VERBOSE")),
-            )
-        except Exception as exc:  # the reason is reported by available()
-            _ext_error = f"building the sm90 extension failed: {type(exc).__name__}: {exc}"
-            return
-        got = [int(v) for v in ext.contract_constants()]
-        want = expected_constants()
-        if got != want:
-            _ext_error = (f"the built extension's contract constants differ from shared_contract/constants.py "
-                          f"({C.CONTRACT_VERSION}): {got} != {want}")
-            return
-        _ext = ext
+        _ext, _ext_error = build_checked(
+            "the sm90 extension", expected_constants(),
+            name="fused_logp_sm90",
+            sources=[str(_CSRC / s) for s in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
+            extra_cuda_cflags=list(CUDA_FLAGS),
+            extra_cflags=["-O3"],
+        )
 
 
 def _cdiv(a: int, b: int) -> int:
