@@ -10,6 +10,8 @@ CUDA RNG tracker, mask, RoPE and GlobalMemoryBuffer run as in training.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 
 import torch
@@ -237,3 +239,31 @@ def grad_close(got, ref, tol: float = 2 ** -6):
     rel = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
     ok = bool((diff <= tol * (ref.abs() + ref.abs().max())).all()) and rel <= tol
     return ok, float(diff.max()), rel
+
+
+@contextlib.contextmanager
+def model_parallel_world(device: str = "cpu"):
+    """A world of size 1 with Megatron's model-parallel state for a test module; the plugin's hook is removed
+    before it is torn down."""
+    from fused_logp import megatron_plugin as mp
+
+    created = start_model_parallel(0, 1, device=device)
+    yield
+    mp.uninstall()
+    stop_model_parallel(destroy_process_group=created)
+
+
+@contextlib.contextmanager
+def fresh_plugin_state():
+    """One test's plugin state: the hook uninstalled, no plugin settings and the default configuration before the
+    test, and the same (configuration re-read from the environment) after it."""
+    from fused_logp import megatron_plugin as mp
+    from fused_logp.shared_contract.config import Config, set_config
+
+    mp.uninstall()
+    mp.configure(None)
+    set_config(Config())
+    yield
+    mp.uninstall()
+    mp.configure(None)
+    set_config(None)

@@ -19,7 +19,6 @@ import megatron_shims as ms  # noqa: E402
 
 import fused_logp  # noqa: E402
 from fused_logp import megatron_plugin as mp  # noqa: E402
-from fused_logp.shared_contract.config import Config, set_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PADDED, REAL, B, S, D, MICRO = 512, 500, 2, 8, 64, 2
@@ -34,10 +33,8 @@ def _load_example():
 
 @pytest.fixture(scope="module")
 def world():
-    created = ms.start_model_parallel(0, 1, device="cpu")
-    yield
-    mp.uninstall()
-    ms.stop_model_parallel(destroy_process_group=created)
+    with ms.model_parallel_world("cpu"):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +44,8 @@ def example(world):
 
 @pytest.fixture(autouse=True)
 def clean(world):
-    mp.uninstall()
-    mp.configure(None)
-    set_config(Config())
-    yield
-    mp.uninstall()
-    mp.configure(None)
-    set_config(None)
+    with ms.fresh_plugin_state():
+        yield
 
 
 def _megatron_args(*logp_flags, **extra):

@@ -75,25 +75,18 @@ def _ones():
 def world_1():
     if not ON_CPU and not _sm90():
         pytest.skip("needs an SM90 (H100/H200) GPU")
-    created = ms.start_model_parallel(0, 1, device=DEV)
-    if not ON_CPU:                       # builds the SM90 extension on first use (about a minute)
-        from fused_logp.kernel.backends import get_backend
-        ok, why = get_backend("sm90").available()
-        assert ok, why
-    yield
-    mp.uninstall()
-    ms.stop_model_parallel(destroy_process_group=created)
+    with ms.model_parallel_world(DEV):
+        if not ON_CPU:                   # builds the SM90 extension on first use (about a minute)
+            from fused_logp.kernel.backends import get_backend
+            ok, why = get_backend("sm90").available()
+            assert ok, why
+        yield
 
 
 @pytest.fixture(autouse=True)
 def clean_plugin_state():
-    mp.uninstall()
-    mp.configure(None)
-    set_config(Config())
-    yield
-    mp.uninstall()
-    mp.configure(None)
-    set_config(None)
+    with ms.fresh_plugin_state():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -28,21 +28,14 @@ PADDED, REAL, B, S, D = 512, 500, 2, 8, 64
 
 @pytest.fixture(scope="module", autouse=True)
 def dist_world_1():
-    created = ms.start_model_parallel(0, 1, device="cpu")
-    yield
-    mp.uninstall()
-    ms.stop_model_parallel(destroy_process_group=created)
+    with ms.model_parallel_world("cpu"):
+        yield
 
 
 @pytest.fixture(autouse=True)
 def clean_plugin_state():
-    mp.uninstall()
-    mp.configure(None)
-    set_config(Config())
-    yield
-    mp.uninstall()
-    mp.configure(None)
-    set_config(None)
+    with ms.fresh_plugin_state():
+        yield
 
 
 @pytest.fixture(scope="module")

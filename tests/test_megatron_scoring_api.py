@@ -24,20 +24,14 @@ PADDED, REAL, B, S, D = 512, 500, 2, 8, 64
 
 @pytest.fixture(scope="module")
 def world():
-    created = ms.start_model_parallel(0, 1, device="cpu")
-    yield
-    mp.uninstall()
-    ms.stop_model_parallel(destroy_process_group=created)
+    with ms.model_parallel_world("cpu"):
+        yield
 
 
 @pytest.fixture(autouse=True)
 def clean(world):
-    mp.uninstall()
-    mp.configure(None)                      # the plugin is off process-wide: score() turns it on for its call
-    set_config(Config())
-    yield
-    mp.uninstall()
-    set_config(None)
+    with ms.fresh_plugin_state():           # the plugin is off process-wide: score() turns it on for its call
+        yield
 
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
