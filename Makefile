@@ -109,23 +109,39 @@ clean:
 
 # vLLM 0.26 (CUDA 13 build) on the SM90 machine, which has no package index. Here: `make vllm-gpu-parts` downloads
 # vllm==0.26.0 and the import-time requirements the H200 image lacks (pinned in tools/vllm_gpu_parts.sh), slims the
-# vLLM wheel (FA3 kept; dense models on Hopper only) and cuts everything into parts under build/vllm-gpu/partNN plus
-# build/vllm-gpu/src.tar (this checkout's committed library, HEAD). There, one command per part, back to back (the
-# machine keeps /tmp only while warm), the last one running `make vllm-gpu` (docs/vllm.md, "GPU runs"):
+# vLLM wheel (FA3 kept; dense models on Hopper only) and cuts everything into parts under build/vllm-gpu/partNN.
+# There, one command per part, back to back (the machine keeps /tmp only while warm), the last one running
+# `make vllm-gpu` (docs/vllm.md, "GPU runs"); the library is the working tree's src/, which travels with every call:
 #   carry ["build/vllm-gpu/part01"]  bash build/vllm-gpu/part01/vstash.sh
 #   carry ["build/vllm-gpu/part02"]  bash build/vllm-gpu/part02/vstash.sh --final && make vllm-gpu OUT=$OUT
-VLLM_GPU_SRC := /tmp/fused_logp_src
-VLLM_GPU_ENV := PYTHONPATH=/tmp/vsite:$(VLLM_GPU_SRC)/src:$(CURDIR)/tests PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+# `make vllm-gpu-profile` instead: decode tok/s plugin off/on with the per-step split (host/device time of the head
+# and the sampler, cProfile, torch.profiler, synchronising calls); `make vllm-gpu-mp`: vLLM's default multiprocess
+# engine started with the plugin off and on, stacks of every process dumped before a time limit.
+VLLM_GPU_ENV := PYTHONPATH=/tmp/vsite:$(CURDIR)/src:$(CURDIR)/tests PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 NCCL_NVLS_ENABLE=0
 
-.PHONY: vllm-gpu-parts vllm-gpu
+.PHONY: vllm-gpu-parts vllm-gpu vllm-gpu-profile vllm-gpu-mp vllm-gpu-ready vllm-gpu-sm90
 vllm-gpu-parts:
 	bash tools/vllm_gpu_parts.sh $(CURDIR) --slim --download --part-mib 57
-	git archive --format=tar -o build/vllm-gpu/part01/src.tar HEAD src
 	ls -l build/vllm-gpu/*
 
-vllm-gpu:
-	test -f /tmp/vsite/.vllm_gpu_ready || { echo "vllm-gpu: no /tmp/vsite (send the parts first)"; exit 3; }
-	test -d $(VLLM_GPU_SRC) || { mkdir -p $(VLLM_GPU_SRC) && tar -xf build/vllm-gpu/part01/src.tar -C $(VLLM_GPU_SRC) 2>/dev/null \
-		|| tar -xf /tmp/vstash/src.tar -C $(VLLM_GPU_SRC); }
+vllm-gpu-ready:
+	@test -f /tmp/vsite/.vllm_gpu_ready || { echo "vllm-gpu: no /tmp/vsite (send the parts first)"; exit 3; }
+
+# the SM90 extension built once before engines start (a build interrupted by a time limit leaves torch's lock behind)
+vllm-gpu-sm90: vllm-gpu-ready
+	$(VLLM_GPU_ENV) $(PYTHON) -P -c "import time; t = time.time(); from fused_logp.kernel.sm90 import SM90Backend; \
+		print('sm90:', SM90Backend().available(), round(time.time() - t, 1), 's')"
+
+vllm-gpu: vllm-gpu-ready
 	$(VLLM_GPU_ENV) $(PYTHON) -P bench/vllm_gpu.py all --out $${OUT:-out}/vllm-gpu
+
+vllm-gpu-profile: vllm-gpu-ready
+	mkdir -p $${OUT:-out}/vllm-gpu
+	$(VLLM_GPU_ENV) $(PYTHON) -P bench/vllm_gpu.py model
+	for p in off on; do $(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_PROFILE=1 timeout 200 $(PYTHON) -P bench/vllm_gpu.py \
+		speed --plugin $$p --json $${OUT:-out}/vllm-gpu/profile-$$p.json > $${OUT:-out}/vllm-gpu/profile-$$p.log 2>&1; \
+		echo "profile-$$p rc $$?"; done
+
+vllm-gpu-mp: vllm-gpu-ready
+	bash tools/vllm_gpu_mp_probe.sh $${OUT:-out}/vllm-gpu $${MP_LIMIT:-120}

@@ -63,6 +63,66 @@ def make_model(path: Path) -> Path:
     return path
 
 
+def make_small_model(path: Path) -> Path:
+    """A small random bf16 Qwen3 (hidden 256, 2 layers, vocab 151936) for start-up probes."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def _entry_point_dir() -> str:
+    """A site directory whose only content is a distribution declaring the plugin's vllm.general_plugins entry point
+    (what installing the wheel declares), so that every vLLM process, spawned ones included, loads the plugin."""
+    d = Path("/tmp/fused_logp_entry_point")
+    info = d / "fused_logp_gpu_run-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fused_logp_gpu_run\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nfused_logp = fused_logp.vllm_plugin:register\n")
+    return str(d)
+
+
+def run_mpstart(model_dir, plugin: bool) -> dict:
+    """vLLM's default multiprocess engine (engine core in its own process), eager, on the small model: start, four
+    requests, the plugin's status over the RPC. The plugin is loaded through its entry point, as installed."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        raise SystemExit("mpstart: unset VLLM_ENABLE_V1_MULTIPROCESSING (this part checks the multiprocess engine)")
+    if plugin:
+        ep = _entry_point_dir()
+        sys.path.insert(0, ep)
+        os.environ["PYTHONPATH"] = ep + os.pathsep + os.environ.get("PYTHONPATH", "")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.time()
+    kw = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+              kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.1, seed=0, enforce_eager=True)
+    if plugin:
+        kw["additional_config"] = {"fused_logp": {"enabled": True, "strict": True}}
+    print(f"mpstart: creating the engine (plugin {'on' if plugin else 'off'})", flush=True)
+    llm = LLM(**kw)
+    res = {"plugin": plugin, "start_s": round(time.time() - t0, 1)}
+    print(f"mpstart: engine started in {res['start_s']} s", flush=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[1 + i, 2, 3]) for i in range(4)],
+                        SamplingParams(max_tokens=4, logprobs=1, ignore_eos=True), use_tqdm=False)
+    res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    if plugin:
+        st = llm.collective_rpc("fused_logp_status")[0]
+        res["status"] = {"active": st["active"], "pid": st["pid"], "main_pid": os.getpid(),
+                         "backend": (st["heads"][0]["provenance"] or {}).get("backend"),
+                         "non_contract": st["heads"][0]["non_contract"]}
+    res["total_s"] = round(time.time() - t0, 1)
+    print("MPSTART OK", json.dumps(res), flush=True)
+    return res
+
+
 def _lm_head(model_dir, device=DEV):
     from safetensors import safe_open
 
@@ -236,8 +296,9 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     if plugin:
         res["status"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["provenance"]
     g = torch.Generator().manual_seed(3)
-    if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE"):
-        res["profile"] = _profile_decode(llm, g)
+    if plugin:
+        # vLLM's start-up warm-up and dummy sampler runs must leave no non-contract notes in a strict engine
+        res["non_contract_after_start"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["non_contract"]
     for bs in (1, 64, 256):
         prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist())
                    for _ in range(bs)]
@@ -254,6 +315,160 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
             assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
         med = statistics.median(times)
         res["batches"][str(bs)] = {"tok_s": round(bs * out_tokens / med, 1), "times_s": [round(x, 4) for x in times]}
+    if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE"):
+        res["profile"] = _split_profile(llm, g, plugin, out_tokens)
+    return res
+
+
+class _StepTimers:
+    """Per-call host time (perf_counter around the call: includes any host synchronisation inside) and device span
+    (CUDA events before and after, on the current stream; no synchronisation) of a few vLLM methods, by class-level
+    wrapping. Only while `on`."""
+
+    def __init__(self):
+        import collections
+        self.on = False
+        self.host = collections.defaultdict(float)
+        self.calls = collections.Counter()
+        self.events = collections.defaultdict(list)
+        self._undo = []
+
+    def wrap(self, cls, name, key):
+        import functools
+
+        import torch
+        orig = cls.__dict__.get(name, getattr(cls, name))
+        timers = self
+
+        @functools.wraps(orig)
+        def timed(*args, **kwargs):
+            if not timers.on:
+                return orig(*args, **kwargs)
+            s = torch.cuda.Event(enable_timing=True)
+            s.record()
+            t = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                timers.host[key] += time.perf_counter() - t
+                timers.calls[key] += 1
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                timers.events[key].append((s, e))
+        setattr(cls, name, timed)
+        self._undo.append((cls, name, orig))
+
+    def reset(self):
+        self.host.clear()
+        self.calls.clear()
+        self.events.clear()
+
+    def report(self, steps: int) -> dict:
+        import torch
+        torch.cuda.synchronize()
+        out = {}
+        for k in self.calls:
+            dev = sum(s.elapsed_time(e) for s, e in self.events[k])
+            out[k] = {"calls": self.calls[k], "host_ms_per_step": round(1e3 * self.host[k] / steps, 4),
+                      "device_span_ms_per_step": round(dev / steps, 4)}
+        return out
+
+
+def _split_profile(llm, g, plugin: bool, out_tokens: int = 64) -> dict:
+    """Where a decode step's time goes, plugin on or off (in-process engine: the worker runs in this process).
+    Per batch size 1, 64, 256: step wall time; host ms and device span per step of the lm_head
+    (LogitsProcessor.forward), the sampler (MRV2 Sampler.__call__), the runner's execute_model / sample_tokens;
+    cProfile top functions; torch.profiler kernel totals and host-synchronising calls per step; and, with torch's
+    sync debug mode, every synchronising torch call with the stack frames that made it."""
+    import cProfile
+    import io
+    import pstats
+    import warnings
+    from collections import Counter
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    timers = _StepTimers()
+    timers.wrap(LogitsProcessor, "forward", "lm_head")
+    timers.wrap(Sampler, "__call__", "sampler")
+    timers.wrap(GPUModelRunner, "execute_model", "execute_model")
+    timers.wrap(GPUModelRunner, "sample_tokens", "sample_tokens")
+    res = {}
+    for bs in (1, 64, 256):
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist())
+                   for _ in range(bs)]
+        params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
+                  for i in range(bs)]
+        llm.generate(prompts, params, use_tqdm=False)
+        r = {}
+        timers.reset()
+        timers.on = True
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        timers.on = False
+        steps = timers.calls["sample_tokens"] or out_tokens
+        r["steps"] = steps
+        r["step_wall_ms"] = round(1e3 * wall / steps, 4)
+        r["timers"] = timers.report(steps)
+        # cProfile of one generate (the engine core's loop and the worker run in this thread)
+        pr = cProfile.Profile()
+        pr.enable()
+        llm.generate(prompts, params, use_tqdm=False)
+        pr.disable()
+        st = pstats.Stats(pr)
+        rows = []
+        for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():
+            rows.append((f"{fn.split('site-packages/')[-1].split('/src/')[-1]}:{line}({name})", nc, tt, ct))
+        r["cprofile_top_tottime_ms_per_step"] = {k: [n, round(1e3 * tt / steps, 4)] for k, n, tt, ct in
+                                                 sorted(rows, key=lambda x: -x[2])[:30]}
+        r["cprofile_fused_logp_cum_ms_per_step"] = {k: [n, round(1e3 * ct / steps, 4)] for k, n, tt, ct in
+                                                    sorted(rows, key=lambda x: -x[3])
+                                                    if "fused_logp" in k}
+        r["cprofile_fused_logp_cum_ms_per_step"] = dict(list(r["cprofile_fused_logp_cum_ms_per_step"].items())[:40])
+        # torch.profiler: device kernel totals and synchronising runtime calls per step
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        ev = prof.key_averages()
+        kern = sorted((e for e in ev if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"),
+                      key=lambda e: -e.device_time_total)
+        r["kernels_top_us_per_step"] = {e.key[:90]: [e.count, round(e.device_time_total / steps, 2)]
+                                        for e in kern[:20]}
+        r["device_kernel_ms_per_step"] = round(sum(e.device_time_total for e in kern) / steps / 1e3, 4)
+        r["runtime_sync_calls_per_step"] = {e.key: round(e.count / steps, 2) for e in ev if any(
+            x in e.key for x in ("Synchronize", "cudaMemcpy", "aten::item", "_local_scalar_dense", "EventQuery"))}
+        # torch's sync debug mode names every synchronising torch call; keep the frames that made it
+        seen: Counter = Counter()
+        orig_show = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            import traceback
+            frames = [f for f in traceback.extract_stack()[:-1] if "/vllm/" in f.filename or "fused_logp" in f.filename]
+            key = " <- ".join(f"{f.filename.split('site-packages/')[-1].split('/src/')[-1]}:{f.lineno}"
+                              for f in frames[::-1][:4])
+            seen[f"{str(message)[:60]} @ {key}"] += 1
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = show
+                llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = orig_show
+        r["synchronising_torch_calls_per_step"] = {k: round(v / steps, 2) for k, v in seen.most_common(25)}
+        res[str(bs)] = r
+    for cls, name, orig in timers._undo:
+        setattr(cls, name, orig)
     return res
 
 
@@ -398,7 +613,7 @@ def _write(out: Path, result: dict):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["all", "check", "speed", "score", "model"])
+    ap.add_argument("what", choices=["all", "check", "speed", "score", "model", "small-model", "mpstart"])
     ap.add_argument("--out", default="out/vllm-gpu")
     ap.add_argument("--model-dir", default="/tmp/fused_logp_qwen3_8bhead")
     ap.add_argument("--runner", default="v2")
@@ -407,8 +622,12 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--deadline", type=float, default=300.0)
     a = ap.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if a.what != "mpstart":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if a.what == "small-model":
+        make_small_model(Path(a.model_dir))
+        return
     if a.what == "all":
         r = run_all(Path(a.out), Path(a.model_dir), a.deadline)
         print(json.dumps({k: v for k, v in r.items() if not k.startswith("check")}, default=str)[:4000])
@@ -422,6 +641,8 @@ def main():
         return
     if a.what == "check":
         r = run_check(Path(a.model_dir), a.runner, a.mode)
+    elif a.what == "mpstart":
+        r = run_mpstart(Path(a.model_dir), a.plugin == "on")
     elif a.what == "speed":
         r = run_speed(Path(a.model_dir), a.plugin == "on")
     else:
