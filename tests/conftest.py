@@ -4,7 +4,9 @@ import secrets
 import pytest
 import torch
 
-from fused_logp.shared_contract.config import set_config
+from fused_logp.shared_contract.config import Config, set_config
+
+from cpu_backends import CPU_BACKENDS
 
 
 @pytest.fixture(autouse=True)
@@ -16,6 +18,15 @@ def _fresh_config(monkeypatch):
     set_config(None)
     yield
     set_config(None)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def cpu_backend(request, _fresh_config):
+    """A contract test runs once per contract-bearing CPU backend (tests/cpu_backends.py): the backend becomes the
+    configured default, so calls without `backend=` run on it. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("cpu_backend")`; a test that names the backend takes the argument."""
+    set_config(Config(backend=request.param))
+    yield request.param
 
 
 @pytest.fixture

@@ -1,11 +1,15 @@
 """Backward of linear_logp on the CPU: correct against float64, deterministic, batch-invariant per row, and
 TP shards assembled in rank order equal the unsharded gradients."""
+import pytest
 import torch
 
 from fused_logp import linear_logp
 from fused_logp.kernel.autograd import logp_grads
 
 from helpers import bits_equal
+
+# the forward of every check runs on both CPU backends (tests/cpu_backends.py)
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 
 class _Float64Op(torch.autograd.Function):

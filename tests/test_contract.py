@@ -1,21 +1,18 @@
-"""Contract v1 sentences (CONTRACT.md), each checked by byte equality on the CPU oracle."""
+"""Contract v1 sentences (CONTRACT.md), each checked by byte equality on both CPU backends (the numpy oracle and
+the compiled one)."""
 import numpy as np
 import pytest
 import torch
 
 from fused_logp import linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats
-from fused_logp.kernel.oracle import hopper_logits
-from fused_logp.shared_contract.config import Config, set_config
 
 import contract_reference as ref
+from cpu_backends import hopper_logits
 from helpers import bits_equal
 
 
-@pytest.fixture(autouse=True, params=["oracle", "oracle-fast"])
-def cpu_backend(request, _fresh_config):
-    """Every sentence here is checked on both contract-bearing CPU backends: the numpy oracle and the compiled one."""
-    set_config(Config(backend=request.param))
-    yield request.param
+# every sentence here is checked on both contract-bearing CPU backends (tests/cpu_backends.py)
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 
 V, D = 1000, 64       # 16 tiles, the last one ragged (1000 = 15*64 + 40)

@@ -1,5 +1,7 @@
 """CONTRACT.md section 2 at the edges (erratum of 2026-12-01), on the CPU.
 
+Each check runs on both CPU backends (tests/cpu_backends.py): the numpy oracle and the compiled one.
+
 - The oracle equals bytes captured on an H200 (tests/data/edges-h200.npz, bench/probe_edges.py; the SM90 kernel
   and cuBLAS gave the same logits there) in every edge class: logits bit for bit, lse and logp at T = 1 and at
   per-row temperatures.
@@ -16,15 +18,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gemm_reference as ref
+from cpu_backends import configured, hopper_logits
 from helpers import same_bytes
 
 from fused_logp import linear_logp
-from fused_logp.kernel.oracle import hopper_logits
 from fused_logp.shared_contract import constants as C
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "edges-h200.npz")
 _data = np.load(DATA)
 CAPTURED = sorted({k.split("__")[0] for k in _data.files})
+on_cpu_backends = pytest.mark.usefixtures("cpu_backend")
 
 
 def _bf16(bits) -> torch.Tensor:
@@ -52,20 +55,20 @@ def test_captured_bytes_cover_every_edge_class():
 
 
 @pytest.mark.parametrize("case", CAPTURED)
-def test_oracle_equals_h200_bytes(case):
+def test_oracle_equals_h200_bytes(case, cpu_backend):
     h, w = _bf16(_data[case + "__h"]), _bf16(_data[case + "__w"])
     t = torch.from_numpy(_data[case + "__targets"].astype(np.int64))
     temps = torch.from_numpy(_data[case + "__temps"])
-    res = linear_logp(h, w, t, return_logits=True, backend="oracle", strict=True)
+    res = linear_logp(h, w, t, return_logits=True, backend=cpu_backend, strict=True)
     got = _bits(res.logits)
     want = _data[case + "__kernel"]
     bad = np.flatnonzero(got != want)
     assert bad.size == 0, (f"{case} ({_class_of(case)}): {bad.size} logits differ from the H200; first "
-                           f"{np.unravel_index(bad[0], got.shape)}: oracle {got.flat[bad[0]]:#010x}, "
+                           f"{np.unravel_index(bad[0], got.shape)}: {cpu_backend} {got.flat[bad[0]]:#010x}, "
                            f"H200 {want.flat[bad[0]]:#010x}")
     as_t = lambda name: torch.from_numpy(_data[case + "__" + name].view(np.float32))  # noqa: E731
     assert same_bytes(res.lse, as_t("lse")) and same_bytes(res.logp, as_t("logp"))
-    res_t = linear_logp(h, w, t, temperature=temps, backend="oracle", strict=True)
+    res_t = linear_logp(h, w, t, temperature=temps, backend=cpu_backend, strict=True)
     assert same_bytes(res_t.lse, as_t("lse_t")) and same_bytes(res_t.logp, as_t("logp_t"))
 
 
@@ -92,7 +95,7 @@ def _logit(h_vals, w_vals) -> int:
     assert same_bytes(hb.float(), h) and same_bytes(wb.float(), w), "inputs must be exact in bf16"
     got = int(_bits(hopper_logits(hb, wb))[0, 0])
     want = ref.dot_bits(_bits16(hb)[0].tolist(), _bits16(wb)[0].tolist())
-    assert got == want, f"oracle {got:#010x} != reference {want:#010x}"
+    assert got == want, f"{configured()} {got:#010x} != reference {want:#010x}"
     return got
 
 
@@ -100,12 +103,14 @@ def _bits16(x):
     return x.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
+@on_cpu_backends
 def test_zero_accumulator_takes_no_part_in_emax():
     """16 products of 1.5 * 2^-152: with c = +0 at exponent -126 each would truncate to 0 on the 2^-151 grid;
     the hardware keeps them (emax = -133, grid 2^-158) and the sum is 3 * 2^-149."""
     assert _logit([1.5 * 2.0 ** -76] * 16, [2.0 ** -76] * 16) == 0x00000003
 
 
+@on_cpu_backends
 def test_emax_is_floored_at_minus_133():
     """-2^-149 plus 15 products of 1.5 * 2^-159: on the 2^-158 grid (floor -133) each small product truncates
     to zero, leaving -2^-149; a finer grid would keep 22.5 * 2^-159 and truncate the sum to +0."""
@@ -113,6 +118,7 @@ def test_emax_is_floored_at_minus_133():
     assert _logit([-(2.0 ** -75)] + [1.5 * 2.0 ** -80] * 15, [2.0 ** -74] + [2.0 ** -79] * 15) == 0x80000001
 
 
+@on_cpu_backends
 def test_subnormal_accumulator_has_exponent_minus_126():
     """Group 0 leaves c = 3 * 2^-149 (subnormal); in group 1 emax = -126 (c's nominal exponent), so the 16
     products of 1.5 * 2^-152 (0.75 units of 2^-151 each) truncate to zero and c stays 3 * 2^-149."""
@@ -121,6 +127,7 @@ def test_subnormal_accumulator_has_exponent_minus_126():
     assert _logit(h, w) == 0x00000003
 
 
+@on_cpu_backends
 def test_result_truncated_to_zero_is_plus_zero():
     assert _logit([-(2.0 ** -76)], [2.0 ** -76]) == 0x00000000            # -2^-152: below the subnormal grid
     assert _logit([-(2.0 ** -75)], [2.0 ** -75]) == 0x00000000            # -2^-150: a nonzero sum, truncated
@@ -129,6 +136,7 @@ def test_result_truncated_to_zero_is_plus_zero():
     assert _logit([-(2.0 ** -75)], [2.0 ** -74]) == 0x80000001            # -2^-149 itself stays
 
 
+@on_cpu_backends
 def test_overflow_inside_a_group_is_an_infinity_and_below_2_128_stays_finite():
     big = (2 - 2.0 ** -7) * 2.0 ** 127                                     # the largest bf16: 2^128 - 2^120
     assert _logit([big], [1.0]) == 0x7F7F0000
@@ -143,6 +151,7 @@ def test_overflow_inside_a_group_is_an_infinity_and_below_2_128_stays_finite():
     assert _logit([-big, -(2.0 ** 121)], [1.0, 1.0]) == 0xFF800000
 
 
+@on_cpu_backends
 def test_accumulator_is_binary32_between_groups():
     """A group-0 sum beyond binary32 is +inf for every later group, even when group 1 cancels it exactly."""
     h = [2.0 ** 64] * 16 + [-(2.0 ** 64)] * 16
@@ -150,12 +159,14 @@ def test_accumulator_is_binary32_between_groups():
     assert _logit(h, w) == 0x7F800000
 
 
+@on_cpu_backends
 def test_infinite_accumulator_ignores_later_finite_overflow_of_the_other_sign():
     h = [float("inf")] + [0.0] * 15 + [-(2.0 ** 64)] * 16
     w = [1.0] * 16 + [2.0 ** 64] * 16
     assert _logit(h, w) == 0x7F800000
 
 
+@on_cpu_backends
 def test_special_values_give_nan_bits():
     nan = C.GEMM_NAN_BITS
     assert nan == 0x7FFFFFFF
@@ -167,6 +178,7 @@ def test_special_values_give_nan_bits():
     assert _logit([float("inf"), 2.0 ** 127], [1.0, -4.0]) == 0x7F800000   # inf beats a finite overflow
 
 
+@on_cpu_backends
 def test_zero_product_takes_no_part_in_emax():
     """A product with a zero factor never sets emax: 0 * 2^100 (nominal exponent -26) next to 15 products of
     1.5 * 2^-53 leaves them exact (22.5 * 2^-53); 0 * 1 (nominal -126) next to products of 1.5 * 2^-152 leaves
@@ -176,6 +188,7 @@ def test_zero_product_takes_no_part_in_emax():
     assert _logit([0.0] + [1.5 * 2.0 ** -76] * 15, [1.0] + [2.0 ** -76] * 15) == 0x00000002
 
 
+@on_cpu_backends
 def test_rule_points_equal_h200():
     """Every hand-built point (tests/edge_inputs.py RULE_POINTS, one per sentence of section 2) gives the bits
     the H200 gave (tests/data/rule-points-h200.json)."""
@@ -190,6 +203,7 @@ def test_rule_points_equal_h200():
         assert _logit(hv, wv) == int(h200[name], 16), name
 
 
+@on_cpu_backends
 def test_ordinary_rule_unchanged():
     """Away from the edges the erratum changes nothing: truncation of aligned terms at 25 fractional bits."""
     assert _logit([1.0, 2.0 ** -25 * 1.5], [1.0, 1.0]) == 0x3F800000       # 1 + 1.5 * 2^-25 -> 1
@@ -230,7 +244,9 @@ def bf16_problem(draw):
     return h, w
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@on_cpu_backends
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(bf16_problem())
 def test_oracle_equals_reference_over_the_whole_range(prob):
     h, w = prob

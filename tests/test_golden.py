@@ -15,10 +15,11 @@ def test_golden_inputs_are_stable():
     assert (again[0].view(-1).view(dtype=again[0].dtype) == h.view(-1)).all()
 
 
-def test_oracle_matches_stored_golden_fingerprints():
+def test_cpu_backends_match_stored_golden_fingerprints(cpu_backend):
+    """Both CPU backends give the digests stored for the numpy oracle."""
     stored = load_golden()[CONTRACT_VERSION]["oracle/cpu/none"]
     assert set(stored) == set(CASES)
-    assert golden_digests("oracle") == stored
+    assert golden_digests(cpu_backend) == stored
 
 
 def test_every_stored_backend_agrees():
@@ -27,8 +28,8 @@ def test_every_stored_backend_agrees():
     assert all(e == entries[0] for e in entries)
 
 
-def test_ladder_report(tmp_path):
-    rep = run_ladder(tmp_path, backends=["oracle"], quiet=True)
+def test_ladder_report(tmp_path, cpu_backend):
+    rep = run_ladder(tmp_path, backends=[cpu_backend], quiet=True)
     assert rep["passed"], [c for c in rep["checks"] if not c["passed"]]
     assert (tmp_path / "ladder.md").read_text().startswith("# Validation ladder")
     assert json.loads((tmp_path / "ladder.json").read_text())["claim_boundary"]["not_claimed"]

@@ -1,12 +1,14 @@
-"""CONTRACT.md section 2: the oracle's logits follow the Hopper k16 rule, checked against an independent
-exact-rational transcription of the rule (tests/gemm_reference.py; the edges are in test_contract_edges.py)."""
+"""CONTRACT.md section 2: the logits of both CPU backends (the numpy oracle and the compiled one) follow the Hopper
+k16 rule, checked against an independent exact-rational transcription of the rule (tests/gemm_reference.py; the
+edges are in test_contract_edges.py)."""
 import numpy as np
 import pytest
 import torch
 
-from fused_logp.kernel.oracle import hopper_logits
-
 import gemm_reference as ref
+from cpu_backends import hopper_logits
+
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 
 def _bits16(x):

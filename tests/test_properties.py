@@ -6,16 +6,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fused_logp import linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats
-from fused_logp.shared_contract.config import Config, set_config
 
 from helpers import bits_equal
 
 
-@pytest.fixture(autouse=True, params=["oracle", "oracle-fast"])
-def cpu_backend(request, _fresh_config):
-    """Every sentence here is checked on both contract-bearing CPU backends: the numpy oracle and the compiled one."""
-    set_config(Config(backend=request.param))
-    yield request.param
+# every sentence here is checked on both contract-bearing CPU backends (tests/cpu_backends.py)
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 
 SETTINGS = settings(max_examples=40, deadline=None,

@@ -6,6 +6,10 @@ from fused_logp import linear_logp, logp_from_logits, merge_shard_stats, shard_t
 from fused_logp.shared_contract.errors import ContractInputError, StrictModeError
 
 
+# every refusal is checked on both CPU backends (tests/cpu_backends.py)
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
+
 @pytest.fixture
 def data(gen):
     h = torch.randn(3, 32, generator=gen).bfloat16()

@@ -29,6 +29,7 @@ def test_sampling_epsilon_is_vllms_greedy_threshold():
         is_greedy(float("nan"))
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_greedy_rows_are_scored_at_t1():
     """Rule 2: a greedy row's logp is the op's at T = 1, byte for byte; no temperature at all means all greedy."""
     assert GREEDY_SCORING_TEMPERATURE == 1.0

@@ -70,13 +70,13 @@ def test_provenance_carries_every_field(gen):
     for field in ("backend", "contract_version", "arch", "compute_capability", "vocab_tile", "k_group", "k_slab",
                   "n_split_policy", "tree_id", "transcendental_id", "toolkit", "build", "strict", "fallback"):
         assert field in p, field
-    assert p["contract_version"] == CONTRACT_VERSION and p["backend"] == "oracle"
+    assert p["contract_version"] == CONTRACT_VERSION and p["backend"] == "oracle-fast"
     assert p["vocab_tile"] == 64 and p["k_group"] == 16 and p["k_slab"] == 32
 
 
-def test_cpu_auto_selects_the_oracle():
+def test_cpu_auto_selects_the_compiled_oracle():
     be, why = select_backend("auto", torch.device("cpu"), strict=True)
-    assert be.name == "oracle" and be.contract_bearing and why is None
+    assert be.name == "oracle-fast" and be.contract_bearing and why is None
 
 
 # --- weight fingerprint ----------------------------------------------------------------------------------------

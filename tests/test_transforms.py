@@ -33,6 +33,7 @@ def _sampled(keep, gen):
     return torch.tensor([int(i[torch.randint(0, len(i), (1,), generator=gen)]) for i in idx])
 
 
+@pytest.mark.usefixtures("cpu_backend")
 @pytest.mark.parametrize("program", PROGRAMS, ids=str)
 def test_rollout_and_trainer_bytes_identical(gen, program):
     h, w = _data(gen)
@@ -46,6 +47,7 @@ def test_rollout_and_trainer_bytes_identical(gen, program):
     assert (r_logp <= 0).all() and (r_lse <= full_lse).all()           # the kept set is a subset
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_neutral_program_equals_the_plain_op(gen):
     h, w = _data(gen)
     t = torch.randint(0, V, (12,), generator=gen)
@@ -93,6 +95,7 @@ def test_ties_break_toward_the_lower_id():
     assert keep[0].nonzero().flatten().tolist() == [2, 5]
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_target_outside_kept_set_is_refused(gen):
     h, w = _data(gen, n=3)
     z = linear_logp(h, w, torch.zeros(3, dtype=torch.long), return_logits=True).logits
@@ -110,6 +113,7 @@ def test_program_arguments_checked(kwargs, msg):
         TransformProgram(**kwargs)
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_several_ids_per_row_equal_one_id_calls(gen):
     """The [N, C] form (kept set once per row) gives each column the bytes of its own single-id call."""
     h, w = _data(gen, n=5)

@@ -2,7 +2,8 @@
 
   sm90         the fused wgmma kernel (contract-bearing; CUDA, compute capability 9.0)
   oracle       the CPU oracle, numpy (contract-bearing; any device, computes on the CPU): the readable reference
-  oracle-fast  the same bytes compiled (kernel/cpu, C++/AVX-512, threads); needs a C++ compiler and ninja
+  oracle-fast  the same bytes compiled (kernel/cpu, C++/AVX-512, threads); needs a C++ compiler and ninja.
+               What 'auto' selects for CPU inputs (every contract test runs on both CPU backends)
   torch        fp32 matmul + log_softmax (NOT contract-bearing; refused in strict mode)
 
 Every backend has `name`, `contract_bearing`, `available(device=None) -> (ok, why)`, `describe()` and the
@@ -31,6 +32,7 @@ _BACKENDS = {
     "torch": "fused_logp.kernel.torch_backend:TorchBackend",
 }
 _instances: dict = {}
+_warned: set = set()
 
 
 def backend_names():
@@ -66,13 +68,38 @@ def device_backend(device):
     return get_backend("sm90") if _sm90_status(device)[0] else None
 
 
+def _cpu_default(strict: bool):
+    """'auto' on CPU inputs: the compiled CPU oracle. Where it cannot be built (no C++ compiler, a failed build, a
+    build with other contract constants) strict mode raises with the reason; outside strict mode the numpy oracle
+    (the same bytes, slower) runs, with a warning logged once per process and the reason in provenance."""
+    try:
+        fast = get_backend("oracle-fast")
+        ok, why = fast.available()
+    except BackendUnavailableError as exc:
+        fast, ok, why = None, False, str(exc)
+    if ok:
+        return fast, None
+    msg = f"backend 'auto' on CPU inputs selects the compiled CPU oracle (oracle-fast), which is unavailable: {why}"
+    if strict:
+        raise StrictModeError(f"{msg}. The numpy oracle computes the same bytes far more slowly; it is not chosen "
+                              f"silently: ask for it by name (backend='oracle', YAML `backend: oracle`, "
+                              f"FUSED_LOGP_BACKEND=oracle), or make the build work (a C++ compiler and ninja)")
+    reason = f"{msg}; the numpy oracle (backend 'oracle', the same bytes) ran instead"
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("fused_logp: %s", reason)
+    return get_backend("oracle"), reason
+
+
 def select_backend(name: str, device, strict: bool):
     """Return (backend, fallback_reason_or_None) for a request. Raises in strict mode on non-contract backends.
 
     'auto' on CUDA inputs is the SM90 kernel or nothing: where it is unavailable (another GPU, no built
     extension) the request is refused, in strict mode and outside it, because the contract's other backend, the
     CPU oracle, would move every call to the host. The oracle runs for CUDA inputs only when asked for by name
-    (backend='oracle', YAML `backend: oracle`, FUSED_LOGP_BACKEND=oracle)."""
+    (backend='oracle', YAML `backend: oracle`, FUSED_LOGP_BACKEND=oracle).
+
+    'auto' on CPU inputs is the compiled CPU oracle (see _cpu_default)."""
     if name == "auto":
         ok, why = _sm90_status(device)
         if ok:
@@ -85,7 +112,7 @@ def select_backend(name: str, device, strict: bool):
                    f"(YAML `backend: oracle`, FUSED_LOGP_BACKEND=oracle)"
                    + ("" if strict else "; or backend='torch' (GPU, not contract-bearing) outside strict mode"))
             raise (StrictModeError if strict else BackendUnavailableError)(msg)
-        return get_backend("oracle"), None
+        return _cpu_default(strict)
     if name in ("oracle", "oracle-fast") and getattr(device, "type", None) == "cuda":
         log.warning(f"fused_logp: backend {name!r} requested for CUDA inputs (%s): the op runs on the CPU "
                     "(contract bytes, host speed)", device)

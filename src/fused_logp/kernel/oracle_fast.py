@@ -20,17 +20,17 @@ Batch invariance: a logit depends on its (row, column) pair only, a tile statist
 on its row; how rows and columns are split over threads changes no bit.
 
 Name and default: a separate name, `oracle-fast`, beside `oracle` (the numpy reference keeps its name, its golden
-entry and its role in the edge tests). It is selected by name (backend="oracle-fast", YAML `backend: oracle-fast`,
-FUSED_LOGP_BACKEND=oracle-fast) and is the audit's default; `auto` on CPU inputs still means the numpy oracle,
-because not every contract test runs on both yet: tests/test_contract.py, tests/test_properties.py and
-tests/test_oracle_fast.py (which compares it with the numpy oracle and the H200's captured bytes on every edge
-class) do, the oracle-internal rule tests (test_oracle_gemm, test_contract_edges' per-sentence checks) and the
-backend-policy tests that name 'oracle' do not.
+entry and its role as the readable definition). It is what `auto` selects for CPU inputs (kernel/backends.py), and
+the audit's default: every contract test runs on both CPU backends (the `cpu_backend` fixture of tests/conftest.py:
+the contract sentences, the GEMM rule against an exact transcription, every edge sentence and the H200's captured
+bytes, the golden fingerprints, the transform program, the backward, the refusals), and tests/test_oracle_fast.py
+compares the two directly on every edge class, on both of its GEMM paths.
 
 The build is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); it is compiled with
 -march=native, so the extension's name carries a digest of the CPU's feature flags (a cache shared by
 different CPUs never loads a build for another instruction set). Building needs g++ and ninja: without them
-`available()` says why and every entry raises; `auto` then uses the numpy oracle and says so in provenance.
+`available()` says why and every entry raises; `auto` then refuses in strict mode (naming the reason) and outside
+it runs the numpy oracle, logging the reason once and recording it in provenance.
 """
 from __future__ import annotations
 
