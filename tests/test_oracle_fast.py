@@ -464,3 +464,20 @@ def test_rule_points_equal_h200(path):
         w[0, :len(wv)] = torch.tensor(wv, dtype=torch.float64).float()
         one = FAST.logits(h.bfloat16(), w.bfloat16(), 1)
         assert (one.view(torch.int32).item() & 0xFFFFFFFF) == int(h200[name], 16), name
+
+
+def test_vector_tile_statistics_equal_the_scalar_definition(gen):
+    """The AVX-512 tile statistics (exp, max, tree) against the scalar ones, tile by tile, on ordinary logits,
+    signed zeros at the maximum, ragged tiles, non-finite values and values at exp's range limits."""
+    ext = fast.extension()
+    z = torch.randn(6, 1000, generator=gen) * 30
+    z[1, :64] = 0.0
+    z[1, 5] = -0.0
+    z[2, :64] = -0.0
+    z[2, 70] = float("inf")
+    z[3, 200] = float("nan")
+    z[4, 300:340] = -200.0
+    z[5, ::7] = float("-inf")
+    temps = torch.tensor([0.7, 1.0, 2.0, 0.3, 1.0, 1e-3])
+    for n_real in (1000, 999, 64, 1):
+        assert ext.tile_stats_mismatches(z, temps, n_real) == 0, n_real

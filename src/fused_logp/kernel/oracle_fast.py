@@ -210,23 +210,36 @@ class OracleFastBackend:
         return logp.to(dev), lse.to(dev)
 
     def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):
-        """Rows in chunks of ROWS_PER_CALL (bounded FP32 logits memory); every row's bytes are its own."""
+        """Rows in chunks of ROWS_PER_CALL (bounded FP32 logits memory); every row's bytes are its own. Without a
+        bias and without logits, each chunk is one call into the extension (GEMM, statistics and merge)."""
         dev = hidden.device
         n = hidden.shape[0]
-        if return_logits or n <= ROWS_PER_CALL:
-            st = self.shard_stats(hidden, weight, targets, vocab_start=0, vocab_size=vocab_size, bias=bias,
-                                  temperature=temperature, return_logits=return_logits)
-            logp, lse = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
-            return logp, lse, st["logits"]
+        if return_logits or n == 0 or bias is not None:
+            if return_logits or n <= ROWS_PER_CALL:
+                st = self.shard_stats(hidden, weight, targets, vocab_start=0, vocab_size=vocab_size, bias=bias,
+                                      temperature=temperature, return_logits=return_logits)
+                logp, lse = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
+                return logp, lse, st["logits"]
+        ext = extension()
+        h = _cpu(hidden).contiguous()
+        w = _cpu(weight).contiguous()
+        temp = _cpu(temperature).to(torch.float32).contiguous()
+        tgt = _cpu(targets).to(torch.int64).contiguous()
+        n_real = min(w.shape[0], vocab_size)
         logps, lses = [], []
         for r0 in range(0, n, ROWS_PER_CALL):
             sl = slice(r0, r0 + ROWS_PER_CALL)
-            st = self.shard_stats(hidden[sl], weight, targets[sl], vocab_start=0, vocab_size=vocab_size, bias=bias,
-                                  temperature=temperature[sl], return_logits=False)
-            lp, ls = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
+            if bias is None:
+                lp, ls = ext.linear_logp_fused(h[sl], w, n_real, temp[sl], tgt[sl], bool(self.force_scalar))
+            else:
+                st = self.shard_stats(h[sl], w, tgt[sl], vocab_start=0, vocab_size=vocab_size, bias=bias,
+                                      temperature=temp[sl], return_logits=False)
+                lp, ls = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
             logps.append(lp)
             lses.append(ls)
-        return torch.cat(logps), torch.cat(lses), None
+        if len(logps) == 1:
+            return logps[0].to(dev), lses[0].to(dev), None
+        return torch.cat(logps).to(dev), torch.cat(lses).to(dev), None
 
     def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
         dev = logits.device

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -184,58 +185,91 @@ uint32_t dot_scalar(const uint16_t* a, const uint16_t* b, int groups) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The GEMM, vectorised: 16 output columns per AVX-512 vector ("a panel"), one row at a time.
+// The GEMM, vectorised: 16 output columns per AVX-512 vector ("a panel"), two rows at a time.
 //
-// A panel's weights are decoded once per call into [group][k][lane] arrays (significand << 11, nominal
-// exponent, sign as 0/-1, and a 16-bit sign mask per group and lane) and reused by every row. For one row,
-// group and 16 columns: pass 1 takes the largest nominal exponent, pass 2 adds the aligned, truncated
-// products as (t XOR s): the one's complement of a negative term, corrected by adding the number of negative
-// products (a popcount of the two sign masks). The 16 aligned products fit int32 (< 16 * 2^27); the
-// accumulator's term is added in int64 and the sum goes through float64 (exact below 2^53) to a 24-bit
-// truncation and the scale 2^(emax - 25). A lane whose old accumulator is not finite, or whose new value is
-// not zero and not a normal binary32, is recomputed by group_update (the same rule, scalar).
+// A panel's weights are decoded once per call into [group][k][lane] arrays: the weight as a binary32 (a bf16
+// is the top half of one) and its nominal exponent twice, as two int16 halves of an int32. Hidden rows are
+// decoded once per call: the value times 2^64 as a binary32 (exact for |h| < 2^64; a row with a larger or a
+// non-finite value goes to the scalar rule whole), the nominal exponents of two rows packed as int16 pairs, and
+// a flag per all-zero group (such a group leaves every finite c unchanged, and c = inf or NaN too).
+//
+// One group, 16 columns, two rows:
+//   pass 1: emax of both rows at once in int16 lanes (e_k = e_h + e_w, then the max; a zero input carries
+//           ZERO_EXP, so its products never lead), then per row the max with c's exponent and the floor;
+//   pass 2: each product term is trunc(h * w * 2^(25 - emax)), computed as cvtt((h 2^64 * w) * 2^(-39 - emax))
+//           in binary32. Where -90 <= emax <= 60 every step is exact: h 2^64 * w has a 16-bit significand and
+//           lies in the normal range unless it is below 2^-126 (then the term is below 2^-32: trunc gives 0
+//           either way) or at/above 2^128 (impossible for emax <= 60); the scale is a normal power of two; the
+//           scaled value is exact or below 1; cvtt truncates toward zero, sign included. Each term is
+//           < 2^27 in magnitude (a product is < 4 * 2^e_k), so the 16 terms sum in int32 without overflow;
+//           c's term (< 2^26) is added with an overflow check.
+//   normalise: the int32 sum converted to binary32 rounding toward zero IS the truncation to a 24-bit
+//           significand; times 2^(emax - 25) (a normal power of two) it is exact and normal (>= 2^-115) or +0.
+// A lane is recomputed by group_update (the same rule, scalar) where c is not finite, emax lies outside
+// [-90, 60] (subnormal or tiny sums, overflow) or the int32 sum overflowed. Lanes of a column or row with a
+// non-finite value are recomputed whole afterwards (their vector values are discarded).
 // ---------------------------------------------------------------------------------------------------------
 
-struct HRow {            // one decoded hidden row
-  std::vector<int32_t> mag, exp, sgn;   // [D]: significand (8 bits), nominal exponent, sign 0/-1
-  std::vector<int32_t> mask;            // [G]: bit k = sign of element g*16+k
+constexpr int EMAX_LO = -90, EMAX_HI = 60;      // the exact range of the vector path (see above)
+constexpr int HIDDEN_PRESCALE = 64;             // hidden values are held as h * 2^64
+const float TWO_64 = 18446744073709551616.0f;
+
+struct HRows {           // decoded hidden rows
+  std::vector<float> hf;          // [N][D] h * 2^64
+  std::vector<int32_t> ep;        // [ceil(N/2)][D] int16 exponent pairs (row 2p low, row 2p+1 high)
+  std::vector<uint8_t> gz;        // [N][G] 1 = the group's hidden values are all zero
+  std::vector<uint8_t> scalar;    // [N] 1 = the row goes to the scalar rule whole (|h| >= 2^64, inf, NaN)
 };
 
-void decode_row(const uint16_t* h, int d, int32_t* mag, int32_t* exp, int32_t* sgn, int32_t* mask) {
-  for (int g = 0; g < d / KG; ++g) mask[g] = 0;
-  for (int i = 0; i < d; ++i) {
-    uint16_t b = h[i];
-    int f = (b >> 7) & 0xFF;
-    mag[i] = (b & 0x7F) | (f ? 0x80 : 0);
-    exp[i] = (b & 0x7FFF) ? (f ? f : 1) - 127 : ZERO_EXP;
-    sgn[i] = (b & 0x8000) ? -1 : 0;
-    if (b & 0x8000) mask[i / KG] |= 1 << (i % KG);
+inline int bf16_nominal_exp(uint16_t b) {
+  int f = (b >> 7) & 0xFF;
+  return (b & 0x7FFF) ? (f ? f : 1) - 127 : ZERO_EXP;
+}
+
+void decode_rows(const uint16_t* H, int64_t n, int d, HRows& r) {
+  const int groups = d / KG;
+  const int64_t pairs = (n + 1) / 2;
+  r.hf.resize(size_t(n) * d);
+  r.ep.resize(size_t(pairs) * d);
+  r.gz.assign(size_t(n) * groups, 1);
+  r.scalar.assign(size_t(n), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t* h = H + i * d;
+    for (int j = 0; j < d; ++j) {
+      uint16_t b = h[j];
+      int f = (b >> 7) & 0xFF;
+      if (f >= 127 + HIDDEN_PRESCALE) r.scalar[i] = 1;          // |h| >= 2^64, inf or NaN
+      r.hf[size_t(i) * d + j] = u2f(uint32_t(b) << 16) * TWO_64;
+      if (b & 0x7FFF) r.gz[size_t(i) * groups + j / KG] = 0;
+    }
+    if (r.scalar[i]) std::fill(r.gz.begin() + i * groups, r.gz.begin() + (i + 1) * groups, 1);   // recomputed whole
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* a = H + (2 * p) * d;
+    const uint16_t* b = H + std::min<int64_t>(2 * p + 1, n - 1) * d;
+    for (int j = 0; j < d; ++j)
+      r.ep[size_t(p) * d + j] = int32_t((uint32_t(bf16_nominal_exp(a[j])) & 0xFFFFu) |
+                                        (uint32_t(bf16_nominal_exp(b[j])) << 16));
   }
 }
 
-// Panel of 16 columns: arrays of [G][16 k][16 lanes] int32, and [G][16 lanes] masks.
+// Panel of 16 columns: [G][16 k][16 lanes] of the weight's binary32 bits and of its exponent pair.
 struct Panel {
-  std::vector<int32_t> mw, ew, sw, wm;
-  void resize(int groups) {
-    mw.resize(size_t(groups) * KG * 16); ew.resize(mw.size()); sw.resize(mw.size()); wm.resize(size_t(groups) * 16);
-  }
+  std::vector<int32_t> wf, we;
+  void resize(int groups) { wf.resize(size_t(groups) * KG * 16); we.resize(wf.size()); }
 };
+
+inline int32_t exp_pair(int e) { return int32_t((uint32_t(e) & 0xFFFFu) | (uint32_t(e) << 16)); }
 
 void decode_panel_scalar(const uint16_t* w, int d, int64_t v0, int lanes, int g0, int g1, Panel& p) {
   for (int g = g0; g < g1; ++g) {
     for (int l = 0; l < 16; ++l) {
       const uint16_t* row = w + (v0 + (l < lanes ? l : lanes - 1)) * int64_t(d) + g * KG;
-      int m = 0;
       for (int k = 0; k < KG; ++k) {
-        uint16_t b = row[k];
-        int f = (b >> 7) & 0xFF;
         size_t o = (size_t(g - g0) * KG + k) * 16 + l;
-        p.mw[o] = ((b & 0x7F) | (f ? 0x80 : 0)) << PROD_PRESHIFT;
-        p.ew[o] = (b & 0x7FFF) ? (f ? f : 1) - 127 : ZERO_EXP;
-        p.sw[o] = (b & 0x8000) ? -1 : 0;
-        if (b & 0x8000) m |= 1 << k;
+        p.wf[o] = int32_t(uint32_t(row[k]) << 16);
+        p.we[o] = exp_pair(bf16_nominal_exp(row[k]));
       }
-      p.wm[size_t(g - g0) * 16 + l] = m;
     }
   }
 }
@@ -266,16 +300,13 @@ __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, i
   __mmask16 nonfinite = 0;
   const __m512i x7fff = _mm512_set1_epi32(0x7FFF), zexp = _mm512_set1_epi32(ZERO_EXP);
   const __m512i ff = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1), b127 = _mm512_set1_epi32(127);
-  const __m512i f7 = _mm512_set1_epi32(0x7F), h80 = _mm512_set1_epi32(0x80), zero = _mm512_setzero_si512();
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
   const uint16_t* rows[16];
   for (int l = 0; l < 16; ++l) rows[l] = w + (v0 + (l < lanes ? l : lanes - 1)) * int64_t(d);
   for (int g = g0; g < g1; ++g) {
     __m512i r[16];
-    int32_t* WM = p.wm.data() + size_t(g - g0) * 16;
-    for (int l = 0; l < 16; ++l) {                 // lane l's 16 bf16 of this group, sign-extended: r[l][k]
-      r[l] = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + g * KG)));
-      WM[l] = int32_t(_mm512_movepi32_mask(r[l]));  // the lane's 16 signs: bit k
-    }
+    for (int l = 0; l < 16; ++l)                   // lane l's 16 bf16 of this group, zero-extended: r[l][k]
+      r[l] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + g * KG)));
     for (int s = 0; s < 4; ++s) {
       int b = 8 >> s;
       for (int i = 0; i < 16; ++i) {
@@ -285,131 +316,96 @@ __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, i
         r[i + b] = _mm512_permutex2var_epi32(x, T.hi[s], y);
       }
     }
-    int32_t* MW = p.mw.data() + size_t(g - g0) * KG * 16;     // now r[k][lane]
-    int32_t* EW = p.ew.data() + size_t(g - g0) * KG * 16;
-    int32_t* SW = p.sw.data() + size_t(g - g0) * KG * 16;
+    int32_t* WF = p.wf.data() + size_t(g - g0) * KG * 16;     // now r[k][lane]
+    int32_t* WE = p.we.data() + size_t(g - g0) * KG * 16;
     for (int k = 0; k < KG; ++k) {
       __m512i b = r[k];
       __m512i f = _mm512_and_si512(_mm512_srli_epi32(b, 7), ff);
-      __m512i low = _mm512_and_si512(b, f7);
-      __m512i mag = _mm512_mask_or_epi32(low, _mm512_cmpneq_epi32_mask(f, zero), low, h80);
       __m512i e = _mm512_sub_epi32(_mm512_max_epi32(f, one), b127);
       e = _mm512_mask_mov_epi32(e, _mm512_testn_epi32_mask(b, x7fff), zexp);
       nonfinite |= _mm512_cmpeq_epi32_mask(f, ff);
-      _mm512_storeu_si512(MW + k * 16, _mm512_slli_epi32(mag, PROD_PRESHIFT));
-      _mm512_storeu_si512(EW + k * 16, e);
-      _mm512_storeu_si512(SW + k * 16, _mm512_srai_epi32(b, 31));
+      _mm512_storeu_si512(WF + k * 16, _mm512_slli_epi32(b, 16));
+      _mm512_storeu_si512(WE + k * 16, _mm512_or_si512(_mm512_and_si512(e, lo16), _mm512_slli_epi32(e, 16)));
     }
   }
   return nonfinite;
 }
 
-// One row, groups [g0, g1), 16 lanes; acc holds the 16 accumulators' bits in and out.
-inline void row_groups_avx512(const int32_t* hm, const int32_t* he, const int32_t* hs, const int32_t* hmask,
-                              const Panel& p, int g0, int g1, int pg0, uint32_t* acc_io,
-                              const uint16_t* hbits, const uint16_t* w, int d, int64_t v0, int lanes) {
-  const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), ff = _mm512_set1_epi32(0xFF);
-  const __m512i b127 = _mm512_set1_epi32(127), man = _mm512_set1_epi32(0x7FFFFF), hid = _mm512_set1_epi32(0x800000);
-  const __m512i trunc29 = _mm512_set1_epi64(~int64_t((1 << 29) - 1));
-  const __m512d lo_norm = _mm512_set1_pd(0x1p-126), hi_norm = _mm512_set1_pd(0x1p128);
-  const __m512i absmask = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFLL);
+// One row's update of one group: 16 lanes, emax given (its pass-1 value, before c and the floor).
+inline __m512i group_row_f32(__m512i acc, __m512i e_prod, const float* hf, const int32_t* WF,
+                             const uint16_t* hbits, const uint16_t* w, int d, int64_t v0, int lanes, int g) {
+  const __m512i ff = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1), b127 = _mm512_set1_epi32(127);
   const __m512i floorv = _mm512_set1_epi32(EXP_FLOOR);
-  __m512i acc = _mm512_loadu_si512(acc_io);
-  for (int g = g0; g < g1; ++g) {
-    const int32_t* MW = &p.mw[size_t(g - pg0) * KG * 16];
-    const int32_t* EW = &p.ew[size_t(g - pg0) * KG * 16];
-    const int32_t* SW = &p.sw[size_t(g - pg0) * KG * 16];
-    const int32_t* hmg = hm + g * KG;
-    const int32_t* heg = he + g * KG;
-    const int32_t* hsg = hs + g * KG;
-    // the accumulator's fields
-    __m512i sc = _mm512_srai_epi32(acc, 31);
-    __m512i cf = _mm512_and_si512(_mm512_srli_epi32(acc, 23), ff);
-    __mmask16 cbad = _mm512_cmpeq_epi32_mask(cf, ff);
-    __m512i mc = _mm512_mask_or_epi32(_mm512_and_si512(acc, man), _mm512_cmpneq_epi32_mask(cf, zero),
-                                      _mm512_and_si512(acc, man), hid);
-    __m512i ec = _mm512_sub_epi32(_mm512_max_epi32(cf, one), b127);
-    // pass 1: emax over the 16 nominal product exponents, c's (c != 0) and the floor
-    __mmask16 czero = _mm512_testn_epi32_mask(acc, _mm512_set1_epi32(0x7FFFFFFF));
-    __m512i e[KG];
-    __m512i emax = _mm512_max_epi32(_mm512_mask_mov_epi32(ec, czero, floorv), floorv);
-    for (int k = 0; k < KG; ++k) {
-      e[k] = _mm512_add_epi32(_mm512_set1_epi32(heg[k]), _mm512_loadu_si512(EW + k * 16));
-      emax = _mm512_max_epi32(emax, e[k]);
-    }
-    // pass 2: aligned, truncated products in one's complement
-    __m512i s0 = zero, s1 = zero;
-    for (int k = 0; k < KG; k += 2) {
-      __m512i t0 = _mm512_srlv_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(hmg[k]), _mm512_loadu_si512(MW + k * 16)),
-                                     _mm512_sub_epi32(emax, e[k]));
-      __m512i t1 = _mm512_srlv_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(hmg[k + 1]),
-                                                        _mm512_loadu_si512(MW + (k + 1) * 16)),
-                                     _mm512_sub_epi32(emax, e[k + 1]));
-      s0 = _mm512_add_epi32(s0, _mm512_ternarylogic_epi32(t0, _mm512_loadu_si512(SW + k * 16),
-                                                           _mm512_set1_epi32(hsg[k]), 0x96));
-      s1 = _mm512_add_epi32(s1, _mm512_ternarylogic_epi32(t1, _mm512_loadu_si512(SW + (k + 1) * 16),
-                                                           _mm512_set1_epi32(hsg[k + 1]), 0x96));
-    }
-    __m512i sum = _mm512_add_epi32(s0, s1);
-    __m512i nneg = _mm512_popcnt_epi32(_mm512_xor_si512(_mm512_loadu_si512(&p.wm[size_t(g - pg0) * 16]),
-                                                        _mm512_set1_epi32(hmask[g])));
-    __m512i tc = _mm512_srlv_epi32(_mm512_slli_epi32(mc, ACC_PRESHIFT), _mm512_sub_epi32(emax, ec));
-    __m512i small = _mm512_add_epi32(_mm512_sub_epi32(_mm512_xor_si512(tc, sc), sc), nneg);
-    // exact int64 total, to float64, truncated to 24 bits, scaled by 2^(emax - 25)
-    __m512i emb = _mm512_add_epi32(emax, _mm512_set1_epi32(1023 - FRAC));
-    __m512 res;
-    __mmask16 bad;
-    {
-      __m512i tlo = _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(sum)),
-                                     _mm512_cvtepi32_epi64(_mm512_castsi512_si256(small)));
-      __m512i thi = _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(sum, 1)),
-                                     _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(small, 1)));
-      __m512d xlo = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(_mm512_cvtepi64_pd(tlo)), trunc29));
-      __m512d xhi = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(_mm512_cvtepi64_pd(thi)), trunc29));
-      __m512d slo = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(emb)), 52));
-      __m512d shi = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(emb, 1)), 52));
-      __m512d ylo = _mm512_mul_pd(xlo, slo), yhi = _mm512_mul_pd(xhi, shi);
-      __m512d alo = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(ylo), absmask));
-      __m512d ahi = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(yhi), absmask));
-      __mmask8 oklo = (_mm512_cmp_pd_mask(alo, lo_norm, _CMP_GE_OQ) & _mm512_cmp_pd_mask(alo, hi_norm, _CMP_LT_OQ)) |
-                      _mm512_cmp_pd_mask(alo, _mm512_setzero_pd(), _CMP_EQ_OQ);
-      __mmask8 okhi = (_mm512_cmp_pd_mask(ahi, lo_norm, _CMP_GE_OQ) & _mm512_cmp_pd_mask(ahi, hi_norm, _CMP_LT_OQ)) |
-                      _mm512_cmp_pd_mask(ahi, _mm512_setzero_pd(), _CMP_EQ_OQ);
-      bad = __mmask16(~(unsigned(oklo) | (unsigned(okhi) << 8))) | cbad;
-      res = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(ylo)), _mm512_cvtpd_ps(yhi), 1);
-    }
-    __m512i newacc = _mm512_castps_si512(res);
-    if (__builtin_expect(bad != 0, 0)) {
-      alignas(64) uint32_t old_c[16], new_c[16];
-      _mm512_store_si512(old_c, acc);
-      _mm512_store_si512(new_c, newacc);
-      for (int l = 0; l < 16; ++l) {
-        if (!((bad >> l) & 1)) continue;
-        int64_t col = v0 + (l < lanes ? l : lanes - 1);
-        new_c[l] = group_update(old_c[l], hbits + g * KG, w + col * int64_t(d) + g * KG);
-      }
-      newacc = _mm512_load_si512(new_c);
-    }
-    acc = newacc;
+  const __m512i cf = _mm512_and_si512(_mm512_srli_epi32(acc, 23), ff);
+  const __mmask16 cbad = _mm512_cmpeq_epi32_mask(cf, ff);
+  const __mmask16 czero = _mm512_testn_epi32_mask(acc, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i ec = _mm512_sub_epi32(_mm512_max_epi32(cf, one), b127);
+  const __m512i emax = _mm512_max_epi32(_mm512_max_epi32(e_prod, floorv), _mm512_mask_mov_epi32(ec, czero, floorv));
+  __mmask16 bad = cbad | _mm512_cmplt_epi32_mask(emax, _mm512_set1_epi32(EMAX_LO)) |
+                  _mm512_cmpgt_epi32_mask(emax, _mm512_set1_epi32(EMAX_HI));
+  // 2^(-39 - emax) = 2^(25 - emax) / 2^64: exponent field 88 - emax (normal for emax in [EMAX_LO, EMAX_HI])
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(88), emax), 23));
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int k = 0; k < KG; k += 2) {
+    __m512 p0 = _mm512_mul_ps(_mm512_set1_ps(hf[k]), _mm512_castsi512_ps(_mm512_loadu_si512(WF + k * 16)));
+    __m512 p1 = _mm512_mul_ps(_mm512_set1_ps(hf[k + 1]), _mm512_castsi512_ps(_mm512_loadu_si512(WF + (k + 1) * 16)));
+    s0 = _mm512_add_epi32(s0, _mm512_cvttps_epi32(_mm512_mul_ps(p0, scale)));
+    s1 = _mm512_add_epi32(s1, _mm512_cvttps_epi32(_mm512_mul_ps(p1, scale)));
   }
-  _mm512_storeu_si512(acc_io, acc);
+  // c's term: trunc(c * 2^(25 - emax)) = cvtt((c * 2^64) * 2^(-39 - emax)); |c| < 2^61 where emax <= 60
+  const __m512i tc = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(acc), _mm512_set1_ps(TWO_64)),
+                                                       scale));
+  const __m512i sum = _mm512_add_epi32(s0, s1);
+  const __m512i total = _mm512_add_epi32(sum, tc);
+  // signed overflow of sum + tc: both operands' signs differ from the result's
+  bad |= _mm512_movepi32_mask(_mm512_ternarylogic_epi32(sum, tc, total, 0x42 /* (~a & ~b & c) | (a & b & ~c) */));
+  const __m512 t24 = _mm512_cvt_roundepi32_ps(total, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  // 2^(emax - 25): exponent field emax + 102
+  const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(emax, _mm512_set1_epi32(102)), 23));
+  __m512i newacc = _mm512_castps_si512(_mm512_mul_ps(t24, up));
+  if (__builtin_expect(bad != 0, 0)) {
+    alignas(64) uint32_t old_c[16], new_c[16];
+    _mm512_store_si512(old_c, acc);
+    _mm512_store_si512(new_c, newacc);
+    for (int l = 0; l < 16; ++l) {
+      if (!((bad >> l) & 1)) continue;
+      int64_t col = v0 + (l < lanes ? l : lanes - 1);
+      new_c[l] = group_update(old_c[l], hbits + g * KG, w + col * int64_t(d) + g * KG);
+    }
+    newacc = _mm512_load_si512(new_c);
+  }
+  return newacc;
+}
+
+// Rows a and b (b may equal a), groups [g0, g1) of a panel decoded from group pg0; acc_a/acc_b: 16 accumulators.
+inline void row_pair_groups_avx512(const HRows& hr, int64_t a, int64_t b, int64_t pair, const Panel& p, int g0,
+                                   int g1, int pg0, uint32_t* acc_a, uint32_t* acc_b, const uint16_t* H,
+                                   const uint16_t* w, int d, int64_t v0, int lanes) {
+  const int groups = d / KG;
+  __m512i ca = _mm512_loadu_si512(acc_a);
+  __m512i cb = _mm512_loadu_si512(acc_b);
+  const int32_t* ep = hr.ep.data() + size_t(pair) * d;
+  for (int g = g0; g < g1; ++g) {
+    const int32_t* WF = &p.wf[size_t(g - pg0) * KG * 16];
+    const int32_t* WE = &p.we[size_t(g - pg0) * KG * 16];
+    const bool za = hr.gz[size_t(a) * groups + g], zb = hr.gz[size_t(b) * groups + g];
+    if (za && zb) continue;                                         // c unchanged in both rows
+    // pass 1, both rows: int16 lanes (row a low, row b high)
+    const int32_t* epg = ep + g * KG;
+    __m512i x = _mm512_add_epi16(_mm512_set1_epi32(epg[0]), _mm512_loadu_si512(WE));
+    for (int k = 1; k < KG; ++k)
+      x = _mm512_max_epi16(x, _mm512_add_epi16(_mm512_set1_epi32(epg[k]), _mm512_loadu_si512(WE + k * 16)));
+    const __m512i ea = _mm512_srai_epi32(_mm512_slli_epi32(x, 16), 16);
+    const __m512i eb = _mm512_srai_epi32(x, 16);
+    if (!za)
+      ca = group_row_f32(ca, ea, hr.hf.data() + size_t(a) * d + g * KG, WF, H + a * d, w, d, v0, lanes, g);
+    if (!zb && b != a)
+      cb = group_row_f32(cb, eb, hr.hf.data() + size_t(b) * d + g * KG, WF, H + b * d, w, d, v0, lanes, g);
+  }
+  _mm512_storeu_si512(acc_a, ca);
+  if (b != a) _mm512_storeu_si512(acc_b, cb);
 }
 #endif
-
-// Rows with a non-finite value and columns with a non-finite value: their pairs are recomputed by
-// dot_scalar after the vector pass (the vector kernel reads their fields as if finite).
-std::vector<uint8_t> nonfinite_lines(const uint16_t* x, int64_t n, int d) {
-  std::vector<uint8_t> bad(n, 0);
-  at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const uint16_t* r = x + i * int64_t(d);
-      uint8_t f = 0;
-      for (int j = 0; j < d; ++j) f |= bf16_nonfinite(r[j]);
-      bad[i] = f;
-    }
-  });
-  return bad;
-}
 
 // Tests: the AVX-512 panel decode against the scalar one over every panel of a weight; the count that differ.
 int64_t panel_decode_mismatches(torch::Tensor weight) {
@@ -427,7 +423,7 @@ int64_t panel_decode_mismatches(torch::Tensor weight) {
     int lanes = int(std::min<int64_t>(16, v - v0));
     decode_panel_avx512(W, d, v0, lanes, 0, d / KG, a);
     decode_panel_scalar(W, d, v0, lanes, 0, d / KG, b);
-    bad += (a.mw != b.mw) + (a.ew != b.ew) + (a.sw != b.sw) + (a.wm != b.wm);
+    bad += (a.wf != b.wf) + (a.we != b.we);
   }
 #endif
   return bad;
@@ -468,18 +464,16 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
   }
 #if FL_HAVE_AVX512
   // decoded hidden rows
-  std::vector<int32_t> hm(size_t(n) * d), he(size_t(n) * d), hs(size_t(n) * d), hmask(size_t(n) * groups);
-  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      decode_row(H + r * d, d, &hm[r * d], &he[r * d], &hs[r * d], &hmask[r * groups]);
-  });
+  HRows hr;
+  decode_rows(H, n, d, hr);
+  const int64_t pairs = (n + 1) / 2;
   const int64_t panels = (ncols + 15) / 16;
   // Groups decoded and then applied to every row before the next ones: the decoded slice stays in L1
-  // (3 arrays * 16 * 16 * 4 B = 3 KiB a group).
+  // (2 arrays * 16 * 16 * 4 B = 2 KiB a group).
   const int GC = 8;
   std::vector<uint8_t> wbad(ncols, 0);
-  // At least ~2M multiply-adds (a few hundred microseconds) per thread's share: a small call (a serving step)
-  // runs on one thread instead of paying a fork and a barrier for work shorter than they are.
+  // At least ~2M multiply-adds per thread's share: a small call (a serving step) runs on one thread instead of
+  // paying a fork and a barrier for work shorter than they are.
   const int64_t panel_macs = std::max<int64_t>(1, n * 16 * int64_t(d));
   const int64_t panel_grain = std::max<int64_t>(1, (int64_t(1) << 21) / panel_macs);
   at::parallel_for(0, panels, panel_grain, [&](int64_t pb, int64_t pe) {
@@ -494,19 +488,20 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
       for (int g0 = 0; g0 < groups; g0 += GC) {
         int g1 = std::min(groups, g0 + GC);
         bad_lanes |= decode_panel_avx512(W, d, v0, lanes, g0, g1, p);
-        for (int64_t r = 0; r < n; ++r)
-          row_groups_avx512(&hm[r * d], &he[r * d], &hs[r * d], &hmask[r * groups], p, g0, g1, g0, &acc[r * 16],
-                            H + r * d, W, d, v0, lanes);
+        for (int64_t q = 0; q < pairs; ++q) {
+          int64_t a = 2 * q, b = std::min(2 * q + 1, n - 1);
+          row_pair_groups_avx512(hr, a, b, q, p, g0, g1, g0, &acc[a * 16], &acc[b * 16], H, W, d, v0, lanes);
+        }
       }
       for (int64_t r = 0; r < n; ++r)
         std::memcpy(Z + r * ncols + v0, &acc[r * 16], size_t(lanes) * 4);
       for (int l = 0; l < lanes; ++l) wbad[v0 + l] = (bad_lanes >> l) & 1;
     }
   });
-  // pairs with a non-finite input: the scalar rule (IEEE where an operand or c is not finite)
-  auto hbad = nonfinite_lines(H, n, d);
+  // rows with a value the vector path does not hold (|h| >= 2^64, inf, NaN) and columns with a non-finite value:
+  // the scalar rule (IEEE where an operand or c is not finite)
   std::vector<int64_t> brows, bcols;
-  for (int64_t r = 0; r < n; ++r) if (hbad[r]) brows.push_back(r);
+  for (int64_t r = 0; r < n; ++r) if (hr.scalar[r]) brows.push_back(r);
   for (int64_t c = 0; c < ncols; ++c) if (wbad[c]) bcols.push_back(c);
   if (!brows.empty()) {
     at::parallel_for(0, int64_t(brows.size()) * ncols, 64, [&](int64_t b, int64_t e) {
@@ -532,6 +527,106 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
 // Tile statistics (section 4) and the row merge (section 5)
 // ---------------------------------------------------------------------------------------------------------
 
+// One tile: real lanes zr[0..real) of unscaled logits, temperature tr -> (m_t, s_t). Scalar, the definition.
+inline void tile_one_scalar(const float* zr, float tr, int real, float* m_out, float* s_out) {
+  float lanes[TILE];
+  bool nonfinite = false;
+  float m = -F_INF;
+  for (int j = 0; j < real; ++j) {
+    float x = zr[j] / tr;
+    lanes[j] = x;
+    nonfinite |= !std::isfinite(x);
+    m = x > m ? x : m;
+  }
+  if (nonfinite) m = F_NAN;
+  for (int j = 0; j < real; ++j) lanes[j] = contract_exp(lanes[j] - m);
+  for (int j = real; j < TILE; ++j) lanes[j] = 0.0f;
+  for (int w = TILE / 2; w >= 1; w /= 2)                       // adjacent-pairwise tree, six levels
+    for (int j = 0; j < w; ++j) lanes[j] = lanes[2 * j] + lanes[2 * j + 1];
+  *m_out = m;
+  *s_out = lanes[0];
+}
+
+#if FL_HAVE_AVX512
+// contract_exp on 16 lanes: the same binary32 operations in the same order as the scalar function.
+inline __m512 contract_exp16(__m512 x) {
+  const __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _mm512_set1_ps(SHIFTER)),
+                                 _mm512_set1_ps(SHIFTER));
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(LN2_HI))),
+                                 _mm512_mul_ps(k, _mm512_set1_ps(LN2_LO)));
+  __m512 p = _mm512_add_ps(_mm512_set1_ps(EC6), _mm512_mul_ps(r, _mm512_set1_ps(EC7)));
+  p = _mm512_add_ps(_mm512_set1_ps(EC5), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(EC4), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(EC3), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(EC2), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
+  const __mmask16 in_range = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_X_MIN), _CMP_GE_OQ) &
+                             _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_X_MAX), _CMP_LE_OQ);
+  __m512i n = _mm512_maskz_cvttps_epi32(in_range, k);                  // k is an integer there
+  __m512i n1 = _mm512_srai_epi32(n, 1);                               // floor(n / 2)
+  __m512i n2 = _mm512_sub_epi32(n, n1);
+  const __m512i b127 = _mm512_set1_epi32(127);
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, b127), 23))),
+                           _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, b127), 23)));
+  y = _mm512_mask_mov_ps(_mm512_setzero_ps(), in_range, y);                           // x < X_MIN: +0
+  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_X_MAX), _CMP_GT_OQ), _mm512_set1_ps(F_INF));
+  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);           // NaN -> x
+}
+
+// One tile, 16 lanes at a time; the same operations as tile_one_scalar (the max is order-free, the tree is the
+// same adjacent pairs in the same operand order).
+inline void tile_one_avx512(const float* zr, float tr, int real, float* m_out, float* s_out) {
+  __m512 v[4];
+  const __m512 t = _mm512_set1_ps(tr);
+  __m512 mx = _mm512_set1_ps(-F_INF);
+  __mmask16 nonfinite = 0;
+  for (int q = 0; q < 4; ++q) {
+    int left = real - 16 * q;
+    __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : (left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1));
+    __m512 x = _mm512_div_ps(_mm512_maskz_loadu_ps(mk, zr + 16 * q), t);
+    v[q] = x;
+    // not finite: the exponent field all ones
+    nonfinite |= mk & _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7F800000)),
+                                              _mm512_set1_epi32(0x7F800000));
+    mx = _mm512_mask_max_ps(mx, mk, mx, x);
+  }
+  float m = nonfinite ? F_NAN : _mm512_reduce_max_ps(mx);
+  if (m == 0.0f) {            // +0 and -0 tie: the scalar loop keeps the first one met; so does this
+    tile_one_scalar(zr, tr, real, m_out, s_out);
+    return;
+  }
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int q = 0; q < 4; ++q) {
+    int left = real - 16 * q;
+    __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : (left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1));
+    v[q] = _mm512_maskz_mov_ps(mk, contract_exp16(_mm512_sub_ps(v[q], mv)));
+  }
+  alignas(64) static const int32_t ev[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  alignas(64) static const int32_t od[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i ie = _mm512_load_si512(ev), io = _mm512_load_si512(od);
+  auto level = [&](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, ie, b), _mm512_permutex2var_ps(a, io, b));
+  };
+  __m512 w0 = level(v[0], v[1]), w1 = level(v[2], v[3]);        // 32 values
+  __m512 x = level(w0, w1);                                      // 16
+  x = level(x, x);                                               // 8 (twice)
+  x = level(x, x);                                               // 4
+  x = level(x, x);                                               // 2
+  x = level(x, x);                                               // 1
+  *m_out = m;
+  *s_out = _mm512_cvtss_f32(x);
+}
+#endif
+
+inline void tile_one(const float* zr, float tr, int real, float* m_out, float* s_out) {
+#if FL_HAVE_AVX512
+  tile_one_avx512(zr, tr, real, m_out, s_out);
+#else
+  tile_one_scalar(zr, tr, real, m_out, s_out);
+#endif
+}
+
 // z [N, >= n_real] fp32 unscaled (row stride arbitrary), temperature [N] fp32 -> (tile_max, tile_sum) [N, nt].
 std::vector<torch::Tensor> tile_stats(torch::Tensor z, torch::Tensor temperature, int64_t n_real) {
   TORCH_CHECK(z.device().is_cpu() && z.scalar_type() == torch::kFloat32 && z.dim() == 2, "z must be CPU fp32 [N, V]");
@@ -548,31 +643,36 @@ std::vector<torch::Tensor> tile_stats(torch::Tensor z, torch::Tensor temperature
   const float* T = temperature.data_ptr<float>();
   float* M = tmax.data_ptr<float>();
   float* S = tsum.data_ptr<float>();
-  at::parallel_for(0, n * nt, 2048, [&](int64_t b, int64_t e) {
-    float lanes[TILE];
+  at::parallel_for(0, n * nt, 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       int64_t r = i / nt, t = i % nt;
-      const float* zr = Z + r * ld + t * TILE;
-      int real = int(std::min<int64_t>(TILE, n_real - t * TILE));
-      float tr = T[r];
-      bool nonfinite = false;
-      float m = -F_INF;
-      for (int j = 0; j < real; ++j) {
-        float x = zr[j] / tr;
-        lanes[j] = x;
-        nonfinite |= !std::isfinite(x);
-        m = x > m ? x : m;
-      }
-      if (nonfinite) m = F_NAN;
-      for (int j = 0; j < real; ++j) lanes[j] = contract_exp(lanes[j] - m);
-      for (int j = real; j < TILE; ++j) lanes[j] = 0.0f;
-      for (int w = TILE / 2; w >= 1; w /= 2)                       // adjacent-pairwise tree, six levels
-        for (int j = 0; j < w; ++j) lanes[j] = lanes[2 * j] + lanes[2 * j + 1];
-      M[i] = m;
-      S[i] = lanes[0];
+      tile_one(Z + r * ld + t * TILE, T[r], int(std::min<int64_t>(TILE, n_real - t * TILE)), M + i, S + i);
     }
   });
   return {tmax, tsum};
+}
+
+// Tests: the vector tile statistics against the scalar definition; the number of tiles whose bytes differ.
+int64_t tile_stats_mismatches(torch::Tensor z, torch::Tensor temperature, int64_t n_real) {
+  int64_t bad = 0;
+#if FL_HAVE_AVX512
+  z = z.contiguous();
+  temperature = temperature.contiguous();
+  const int64_t n = z.size(0), ld = z.size(1), nt = (n_real + TILE - 1) / TILE;
+  const float* Z = z.data_ptr<float>();
+  const float* T = temperature.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t t = 0; t < nt; ++t) {
+      float m1, s1, m2, s2;
+      int real = int(std::min<int64_t>(TILE, n_real - t * TILE));
+      tile_one_scalar(Z + r * ld + t * TILE, T[r], real, &m1, &s1);
+      tile_one_avx512(Z + r * ld + t * TILE, T[r], real, &m2, &s2);
+      bool same_m = (m1 != m1 && m2 != m2) || f2u(m1) == f2u(m2);
+      bool same_s = (s1 != s1 && s2 != s2) || f2u(s1) == f2u(s2);
+      bad += !(same_m && same_s);
+    }
+#endif
+  return bad;
 }
 
 // Row merge: tile_max, tile_sum [N, T]; target_logit [N] or [N, C] -> (logp like target_logit, lse [N]).
@@ -617,6 +717,32 @@ std::vector<torch::Tensor> merge(torch::Tensor tile_max, torch::Tensor tile_sum,
   return {logp, lse};
 }
 
+// linear_logp in one call (no bias, logits not returned): hidden [N, D] bf16, weight [>= n_real, D] bf16,
+// temperature [N] fp32, targets [N] int64 relative to column 0 -> (logp [N], lse [N]). The same functions as the
+// separate entries, in the same order: hopper_logits, tile_stats, z'_target = div(z_target, T) (or -inf for a
+// target outside [0, n_real)), merge.
+std::vector<torch::Tensor> linear_logp_fused(torch::Tensor hidden, torch::Tensor weight, int64_t n_real,
+                                             torch::Tensor temperature, torch::Tensor targets, bool force_scalar) {
+  TORCH_CHECK(n_real >= 1, "n_real must be >= 1");
+  temperature = temperature.contiguous();
+  targets = targets.contiguous();
+  TORCH_CHECK(targets.scalar_type() == torch::kInt64 && targets.dim() == 1 && targets.size(0) == hidden.size(0),
+              "targets must be int64 [N]");
+  auto z = hopper_logits(hidden, weight, n_real, force_scalar);
+  auto st = tile_stats(z, temperature, n_real);
+  const int64_t n = z.size(0);
+  auto tl = torch::empty({n}, torch::dtype(torch::kFloat32));
+  const float* Z = z.data_ptr<float>();
+  const float* T = temperature.data_ptr<float>();
+  const int64_t* G = targets.data_ptr<int64_t>();
+  float* L = tl.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    int64_t t = G[r];
+    L[r] = (t >= 0 && t < n_real) ? Z[r * n_real + t] / T[r] : -F_INF;
+  }
+  return merge(st[0], st[1], tl);
+}
+
 torch::Tensor map_f32(torch::Tensor x, bool is_log) {
   x = x.contiguous();
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "fp32 input");
@@ -642,6 +768,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hopper_logits", &hopper_logits, "z = hidden @ weight[:ncols].T under the Hopper k16 rule");
   m.def("tile_stats", &tile_stats, "tile max and adjacent-pairwise sum of exp(z/T - max) per 64-column tile");
   m.def("merge", &merge, "row merge over tiles in ascending order; logp = min(z'_target - lse, 0)");
+  m.def("linear_logp_fused", &linear_logp_fused, "hopper_logits, tile_stats, target logit and merge in one call");
+  m.def("tile_stats_mismatches", &tile_stats_mismatches);
   m.def("contract_exp", [](torch::Tensor x) { return map_f32(x, false); });
   m.def("contract_log", [](torch::Tensor x) { return map_f32(x, true); });
   m.def("contract_constants", &contract_constants);
