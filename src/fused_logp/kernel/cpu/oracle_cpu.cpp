@@ -19,7 +19,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VPOPCNTDQ__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__BMI2__)
 #define FL_HAVE_AVX512 1
 #include <immintrin.h>
 #else
@@ -188,14 +188,19 @@ uint32_t dot_scalar(const uint16_t* a, const uint16_t* b, int groups) {
 // The GEMM, vectorised: 16 output columns per AVX-512 vector ("a panel"), two rows at a time.
 //
 // A panel's weights are decoded once per call into [group][k][lane] arrays: the weight as a binary32 (a bf16
-// is the top half of one) and its nominal exponent twice, as two int16 halves of an int32. Hidden rows are
-// decoded once per call: the value times 2^64 as a binary32 (exact for |h| < 2^64; a row with a larger or a
-// non-finite value goes to the scalar rule whole), the nominal exponents of two rows packed as int16 pairs, and
-// a flag per all-zero group (such a group leaves every finite c unchanged, and c = inf or NaN too).
+// is the top half of one) and its biased exponent field f twice, as two int16 halves of an int32. Hidden rows
+// are decoded once per call: the value times 2^64 as a binary32, the nominal exponents minus 127 of two rows
+// packed as int16 pairs (a zero: ZERO_EXP - 127), and a flag per all-zero group (such a group leaves every
+// finite c unchanged, and c = inf or NaN too). A row with |h| >= 2^36, an inf or a NaN goes to the scalar rule
+// whole.
 //
 // One group, 16 columns, two rows:
-//   pass 1: emax of both rows at once in int16 lanes (e_k = e_h + e_w, then the max; a zero input carries
-//           ZERO_EXP, so its products never lead), then per row the max with c's exponent and the floor;
+//   pass 1: emax of both rows at once in int16 lanes: e_k = (e_h - 127) + f_w, then the max. For a normal
+//           weight f_w - 127 is its nominal exponent; a zero or subnormal weight gets -127 (its nominal exponent
+//           is "none" or -126). With |h| < 2^36 such a product's e_k is <= -92, below EMAX_LO: where it is the
+//           max the lane goes to the scalar rule, elsewhere it does not matter (terms are computed from the
+//           values). A zero hidden value carries ZERO_EXP, so its products never lead. Then per row the max with
+//           c's exponent (group_row_f32);
 //   pass 2: each product term is trunc(h * w * 2^(25 - emax)), computed as cvtt((h 2^64 * w) * 2^(-39 - emax))
 //           in binary32. Where -90 <= emax <= 60 every step is exact: h 2^64 * w has a 16-bit significand and
 //           lies in the normal range unless it is below 2^-126 (then the term is below 2^-32: trunc gives 0
@@ -212,13 +217,14 @@ uint32_t dot_scalar(const uint16_t* a, const uint16_t* b, int groups) {
 
 constexpr int EMAX_LO = -90, EMAX_HI = 60;      // the exact range of the vector path (see above)
 constexpr int HIDDEN_PRESCALE = 64;             // hidden values are held as h * 2^64
+constexpr int HIDDEN_EXP_MAX = 35;              // rows with a larger nominal exponent (|h| >= 2^36) go scalar
 const float TWO_64 = 18446744073709551616.0f;
 
 struct HRows {           // decoded hidden rows
   std::vector<float> hf;          // [N][D] h * 2^64
   std::vector<int32_t> ep;        // [ceil(N/2)][D] int16 exponent pairs (row 2p low, row 2p+1 high)
   std::vector<uint8_t> gz;        // [N][G] 1 = the group's hidden values are all zero
-  std::vector<uint8_t> scalar;    // [N] 1 = the row goes to the scalar rule whole (|h| >= 2^64, inf, NaN)
+  std::vector<uint8_t> scalar;    // [N] 1 = the row goes to the scalar rule whole (|h| >= 2^36, inf, NaN)
 };
 
 inline int bf16_nominal_exp(uint16_t b) {
@@ -238,7 +244,7 @@ void decode_rows(const uint16_t* H, int64_t n, int d, HRows& r) {
     for (int j = 0; j < d; ++j) {
       uint16_t b = h[j];
       int f = (b >> 7) & 0xFF;
-      if (f >= 127 + HIDDEN_PRESCALE) r.scalar[i] = 1;          // |h| >= 2^64, inf or NaN
+      if (f > 127 + HIDDEN_EXP_MAX) r.scalar[i] = 1;            // |h| >= 2^36, inf or NaN
       r.hf[size_t(i) * d + j] = u2f(uint32_t(b) << 16) * TWO_64;
       if (b & 0x7FFF) r.gz[size_t(i) * groups + j / KG] = 0;
     }
@@ -248,12 +254,12 @@ void decode_rows(const uint16_t* H, int64_t n, int d, HRows& r) {
     const uint16_t* a = H + (2 * p) * d;
     const uint16_t* b = H + std::min<int64_t>(2 * p + 1, n - 1) * d;
     for (int j = 0; j < d; ++j)
-      r.ep[size_t(p) * d + j] = int32_t((uint32_t(bf16_nominal_exp(a[j])) & 0xFFFFu) |
-                                        (uint32_t(bf16_nominal_exp(b[j])) << 16));
+      r.ep[size_t(p) * d + j] = int32_t((uint32_t(bf16_nominal_exp(a[j]) - 127) & 0xFFFFu) |
+                                        (uint32_t(bf16_nominal_exp(b[j]) - 127) << 16));
   }
 }
 
-// Panel of 16 columns: [G][16 k][16 lanes] of the weight's binary32 bits and of its exponent pair.
+// Panel of 16 columns: [G][16 k][16 lanes] of the weight's binary32 bits and of its exponent field pair.
 struct Panel {
   std::vector<int32_t> wf, we;
   void resize(int groups) { wf.resize(size_t(groups) * KG * 16); we.resize(wf.size()); }
@@ -268,7 +274,7 @@ void decode_panel_scalar(const uint16_t* w, int d, int64_t v0, int lanes, int g0
       for (int k = 0; k < KG; ++k) {
         size_t o = (size_t(g - g0) * KG + k) * 16 + l;
         p.wf[o] = int32_t(uint32_t(row[k]) << 16);
-        p.we[o] = exp_pair(bf16_nominal_exp(row[k]));
+        p.we[o] = exp_pair((row[k] >> 7) & 0xFF);
       }
     }
   }
@@ -295,18 +301,23 @@ struct TransposeIdx {
 };
 
 // Decodes groups [g0, g1) of a panel into p (indexed from g0); returns the lanes with an inf or NaN there.
+// Two groups at a time: each lane's 32 bf16 are 16 dwords of adjacent k pairs (k even low, k odd high); one
+// 16 x 16 dword transpose gives, per k pair, the 16 lanes' pairs, which are split into the two k's.
 __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, int g0, int g1, Panel& p) {
   static const TransposeIdx T;
   __mmask16 nonfinite = 0;
-  const __m512i x7fff = _mm512_set1_epi32(0x7FFF), zexp = _mm512_set1_epi32(ZERO_EXP);
-  const __m512i ff = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1), b127 = _mm512_set1_epi32(127);
-  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+  const __m512i ff2 = _mm512_set1_epi32(0x00FF00FF), hi16 = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  // within each dword: the low word in both halves / the high word in both halves
+  const __m512i dup_lo = _mm512_set4_epi32(0x0D0C0D0C, 0x09080908, 0x05040504, 0x01000100);
+  const __m512i dup_hi = _mm512_set4_epi32(0x0F0E0F0E, 0x0B0A0B0A, 0x07060706, 0x03020302);
   const uint16_t* rows[16];
   for (int l = 0; l < 16; ++l) rows[l] = w + (v0 + (l < lanes ? l : lanes - 1)) * int64_t(d);
-  for (int g = g0; g < g1; ++g) {
+  for (int g = g0; g < g1; g += 2) {
+    const bool two = g + 1 < g1;
+    const __mmask16 ld = two ? __mmask16(0xFFFF) : __mmask16(0x00FF);
     __m512i r[16];
-    for (int l = 0; l < 16; ++l)                   // lane l's 16 bf16 of this group, zero-extended: r[l][k]
-      r[l] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + g * KG)));
+    for (int l = 0; l < 16; ++l)                   // lane l's k pairs of groups g, g + 1: r[l][j]
+      r[l] = _mm512_maskz_loadu_epi32(ld, rows[l] + g * KG);
     for (int s = 0; s < 4; ++s) {
       int b = 8 >> s;
       for (int i = 0; i < 16; ++i) {
@@ -316,16 +327,18 @@ __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, i
         r[i + b] = _mm512_permutex2var_epi32(x, T.hi[s], y);
       }
     }
-    int32_t* WF = p.wf.data() + size_t(g - g0) * KG * 16;     // now r[k][lane]
-    int32_t* WE = p.we.data() + size_t(g - g0) * KG * 16;
-    for (int k = 0; k < KG; ++k) {
-      __m512i b = r[k];
-      __m512i f = _mm512_and_si512(_mm512_srli_epi32(b, 7), ff);
-      __m512i e = _mm512_sub_epi32(_mm512_max_epi32(f, one), b127);
-      e = _mm512_mask_mov_epi32(e, _mm512_testn_epi32_mask(b, x7fff), zexp);
-      nonfinite |= _mm512_cmpeq_epi32_mask(f, ff);
-      _mm512_storeu_si512(WF + k * 16, _mm512_slli_epi32(b, 16));
-      _mm512_storeu_si512(WE + k * 16, _mm512_or_si512(_mm512_and_si512(e, lo16), _mm512_slli_epi32(e, 16)));
+    for (int j = 0; j < (two ? 16 : 8); ++j) {      // now r[j][lane]: k = 2 (j % 8) and 2 (j % 8) + 1 of g + j / 8
+      const int k = 2 * (j & 7);
+      int32_t* WF = p.wf.data() + (size_t(g + (j >> 3) - g0) * KG + k) * 16;
+      int32_t* WE = p.we.data() + (size_t(g + (j >> 3) - g0) * KG + k) * 16;
+      const __m512i x = r[j];
+      const __m512i f2 = _mm512_and_si512(_mm512_srli_epi16(x, 7), ff2);   // both exponent fields
+      const __mmask32 inf_nan = _mm512_cmpeq_epi16_mask(f2, _mm512_set1_epi16(0xFF));
+      nonfinite |= __mmask16(_pext_u32(uint32_t(inf_nan) | (uint32_t(inf_nan) >> 1), 0x55555555u));
+      _mm512_storeu_si512(WF, _mm512_slli_epi32(x, 16));                     // k even: the weight's binary32
+      _mm512_storeu_si512(WF + 16, _mm512_and_si512(x, hi16));               // k odd
+      _mm512_storeu_si512(WE, _mm512_shuffle_epi8(f2, dup_lo));
+      _mm512_storeu_si512(WE + 16, _mm512_shuffle_epi8(f2, dup_hi));
     }
   }
   return nonfinite;
@@ -334,17 +347,19 @@ __mmask16 decode_panel_avx512(const uint16_t* w, int d, int64_t v0, int lanes, i
 // One row's update of one group: 16 lanes, emax given (its pass-1 value, before c and the floor).
 inline __m512i group_row_f32(__m512i acc, __m512i e_prod, const float* hf, const int32_t* WF,
                              const uint16_t* hbits, const uint16_t* w, int d, int64_t v0, int lanes, int g) {
-  const __m512i ff = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1), b127 = _mm512_set1_epi32(127);
-  const __m512i floorv = _mm512_set1_epi32(EXP_FLOOR);
-  const __m512i cf = _mm512_and_si512(_mm512_srli_epi32(acc, 23), ff);
-  const __mmask16 cbad = _mm512_cmpeq_epi32_mask(cf, ff);
-  const __mmask16 czero = _mm512_testn_epi32_mask(acc, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i ec = _mm512_sub_epi32(_mm512_max_epi32(cf, one), b127);
-  const __m512i emax = _mm512_max_epi32(_mm512_max_epi32(e_prod, floorv), _mm512_mask_mov_epi32(ec, czero, floorv));
-  __mmask16 bad = cbad | _mm512_cmplt_epi32_mask(emax, _mm512_set1_epi32(EMAX_LO)) |
-                  _mm512_cmpgt_epi32_mask(emax, _mm512_set1_epi32(EMAX_HI));
+  // emax, as far as the vector path needs it: the max of the products' exponents from pass 1 (exact for nonzero
+  // products of normal weights; <= -92 for a zero or subnormal weight, <= ZERO_EXP + 128 for a zero hidden value)
+  // and c's exponent field - 127. That is c's nominal exponent for a normal c, -127 for c = 0
+  // or a subnormal c, 128 for an infinite or NaN c. Where this value lies in [EMAX_LO, EMAX_HI] it comes from a
+  // nonzero product or a normal c, and it is the rule's emax (the floor, -133, and a subnormal c's -126 lie below
+  // it); everywhere else the lane goes to the scalar rule (u = emax - EMAX_LO outside [0, EMAX_HI - EMAX_LO],
+  // as an unsigned compare).
+  const __m512i cf = _mm512_and_si512(_mm512_srli_epi32(acc, 23), _mm512_set1_epi32(0xFF));
+  const __m512i emax = _mm512_max_epi32(e_prod, _mm512_sub_epi32(cf, _mm512_set1_epi32(127)));
+  const __m512i u = _mm512_sub_epi32(emax, _mm512_set1_epi32(EMAX_LO));
+  __mmask16 bad = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(EMAX_HI - EMAX_LO));
   // 2^(-39 - emax) = 2^(25 - emax) / 2^64: exponent field 88 - emax (normal for emax in [EMAX_LO, EMAX_HI])
-  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(88), emax), 23));
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(88 - EMAX_LO), u), 23));
   __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
   for (int k = 0; k < KG; k += 2) {
     __m512 p0 = _mm512_mul_ps(_mm512_set1_ps(hf[k]), _mm512_castsi512_ps(_mm512_loadu_si512(WF + k * 16)));
@@ -361,7 +376,7 @@ inline __m512i group_row_f32(__m512i acc, __m512i e_prod, const float* hf, const
   bad |= _mm512_movepi32_mask(_mm512_ternarylogic_epi32(sum, tc, total, 0x42 /* (~a & ~b & c) | (a & b & ~c) */));
   const __m512 t24 = _mm512_cvt_roundepi32_ps(total, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
   // 2^(emax - 25): exponent field emax + 102
-  const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(emax, _mm512_set1_epi32(102)), 23));
+  const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(102 + EMAX_LO)), 23));
   __m512i newacc = _mm512_castps_si512(_mm512_mul_ps(t24, up));
   if (__builtin_expect(bad != 0, 0)) {
     alignas(64) uint32_t old_c[16], new_c[16];
@@ -643,7 +658,7 @@ std::vector<torch::Tensor> tile_stats(torch::Tensor z, torch::Tensor temperature
   const float* T = temperature.data_ptr<float>();
   float* M = tmax.data_ptr<float>();
   float* S = tsum.data_ptr<float>();
-  at::parallel_for(0, n * nt, 4096, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n * nt, 256, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       int64_t r = i / nt, t = i % nt;
       tile_one(Z + r * ld + t * TILE, T[r], int(std::min<int64_t>(TILE, n_real - t * TILE)), M + i, S + i);
