@@ -170,19 +170,9 @@ class OracleFastBackend:
         return z
 
     def _stats(self, z, temp, n_real, targets_rel):
-        """(tile_max, tile_sum, target_logit, owned) of logits z [N, >= n_real] for targets relative to column 0."""
-        ext = extension()
-        tmax, tsum = ext.tile_stats(z, temp, int(n_real))
-        n = z.shape[0]
-        owned = (targets_rel >= 0) & (targets_rel < n_real)
-        if n_real > 0:
-            idx = targets_rel.clamp(0, n_real - 1)
-            picked = z.gather(1, idx.reshape(n, -1)).reshape(idx.shape)
-            tdiv = temp if targets_rel.dim() == 1 else temp[:, None]
-            tlogit = torch.where(owned, picked / tdiv, torch.tensor(float("-inf")))
-        else:
-            tlogit = torch.full(targets_rel.shape, float("-inf"))
-        return tmax, tsum, tlogit.to(torch.float32), owned
+        """(tile_max, tile_sum, target_logit, owned) of logits z [N, >= n_real] for targets relative to column 0
+        ([N] or [N, C] int64): the target's z' where 0 <= target < n_real, else -inf (not owned)."""
+        return tuple(extension().stats_targets(z, temp, int(n_real), targets_rel.contiguous()))
 
     # --- backend entries (the interface of OracleBackend) ------------------------------------------------
 
@@ -247,8 +237,9 @@ class OracleFastBackend:
         if z.stride(-1) != 1:
             z = z.contiguous()
         temp = _cpu(temperature).to(torch.float32).contiguous()
-        tmax, tsum, tlogit, _ = self._stats(z, temp, vocab_size, _cpu(targets).to(torch.int64))
-        logp, lse = extension().merge(tmax, tsum, tlogit)
+        ext = extension()
+        tmax, tsum, tlogit, _ = ext.stats_targets(z, temp, int(vocab_size), _cpu(targets).to(torch.int64).contiguous())
+        logp, lse = ext.merge(tmax, tsum, tlogit)
         return logp.to(dev), lse.to(dev)
 
 

@@ -732,6 +732,34 @@ std::vector<torch::Tensor> merge(torch::Tensor tile_max, torch::Tensor tile_sum,
   return {logp, lse};
 }
 
+// Tile statistics and target logits of logits z [N, >= n_real] (rows contiguous), temperature [N] fp32, targets
+// [N] or [N, C] int64 relative to column 0 -> (tile_max, tile_sum, target_logit like targets, owned like
+// targets): z'_target = div(z[r, t], T[r]) where 0 <= t < n_real, else -inf (not owned).
+std::vector<torch::Tensor> stats_targets(torch::Tensor z, torch::Tensor temperature, int64_t n_real,
+                                         torch::Tensor targets) {
+  auto st = tile_stats(z, temperature, n_real);
+  targets = targets.contiguous();
+  temperature = temperature.contiguous();
+  TORCH_CHECK(targets.scalar_type() == torch::kInt64 && targets.dim() >= 1 && targets.dim() <= 2 &&
+              targets.size(0) == z.size(0), "targets must be int64 [N] or [N, C]");
+  const int64_t n = z.size(0), ld = z.stride(0), cols = targets.dim() == 2 ? targets.size(1) : 1;
+  auto tl = torch::empty(targets.sizes(), torch::dtype(torch::kFloat32));
+  auto owned = torch::empty(targets.sizes(), torch::dtype(torch::kBool));
+  const float* Z = z.data_ptr<float>();
+  const float* T = temperature.data_ptr<float>();
+  const int64_t* G = targets.data_ptr<int64_t>();
+  float* L = tl.data_ptr<float>();
+  bool* O = owned.data_ptr<bool>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      int64_t t = G[r * cols + c];
+      bool own = t >= 0 && t < n_real;
+      O[r * cols + c] = own;
+      L[r * cols + c] = own ? Z[r * ld + t] / T[r] : -F_INF;
+    }
+  return {st[0], st[1], tl, owned};
+}
+
 // linear_logp in one call (no bias, logits not returned): hidden [N, D] bf16, weight [>= n_real, D] bf16,
 // temperature [N] fp32, targets [N] int64 relative to column 0 -> (logp [N], lse [N]). The same functions as the
 // separate entries, in the same order: hopper_logits, tile_stats, z'_target = div(z_target, T) (or -inf for a
@@ -785,6 +813,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge", &merge, "row merge over tiles in ascending order; logp = min(z'_target - lse, 0)");
   m.def("linear_logp_fused", &linear_logp_fused, "hopper_logits, tile_stats, target logit and merge in one call");
   m.def("tile_stats_mismatches", &tile_stats_mismatches);
+  m.def("stats_targets", &stats_targets, "tile statistics and the targets' scaled logits (-inf where not owned)");
   m.def("contract_exp", [](torch::Tensor x) { return map_f32(x, false); });
   m.def("contract_log", [](torch::Tensor x) { return map_f32(x, true); });
   m.def("contract_constants", &contract_constants);
