@@ -111,37 +111,57 @@ clean:
 # vllm==0.26.0 and the import-time requirements the H200 image lacks (pinned in tools/vllm_gpu_parts.sh), slims the
 # vLLM wheel (FA3 kept; dense models on Hopper only) and cuts everything into parts under build/vllm-gpu/partNN.
 # There, one command per part, back to back (the machine keeps /tmp only while warm), the last one running
-# `make vllm-gpu` (docs/vllm.md, "GPU runs"); the library is the working tree's src/, which travels with every call:
+# `make vllm-gpu` (docs/vllm.md, "GPU runs"):
 #   carry ["build/vllm-gpu/part01"]  bash build/vllm-gpu/part01/vstash.sh
 #   carry ["build/vllm-gpu/part02"]  bash build/vllm-gpu/part02/vstash.sh --final && make vllm-gpu OUT=$OUT
-# `make vllm-gpu-profile` instead: decode tok/s plugin off/on with the per-step split (host/device time of the head
-# and the sampler, cProfile, torch.profiler, synchronising calls); `make vllm-gpu-mp`: vLLM's default multiprocess
+# The library there is the working tree's src/, which travels with every call. While others have uncommitted
+# kernel work in the tree, run the committed library instead: `make vllm-gpu-src` here (git archive HEAD src into
+# build/vllm-gpu/src/src.tar) and add "build/vllm-gpu/src" to the last call's carry. Each target leaves at most two
+# files under $OUT (the machine returns 8): <target>.json and <target>.tgz with every log.
+# `make vllm-gpu-profile`: decode tok/s plugin off/on with the per-step split (host/device time of the head and
+# the sampler, cProfile, torch.profiler, synchronising calls); `make vllm-gpu-mp`: vLLM's default multiprocess
 # engine started with the plugin off and on, stacks of every process dumped before a time limit.
-VLLM_GPU_ENV := PYTHONPATH=/tmp/vsite:$(CURDIR)/src:$(CURDIR)/tests PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+VLLM_GPU_TAR := build/vllm-gpu/src/src.tar
+VLLM_GPU_LIB = $(if $(wildcard $(VLLM_GPU_TAR)),/tmp/fused_logp_src/src,$(CURDIR)/src)
+VLLM_GPU_ENV = PYTHONPATH=/tmp/vsite:$(VLLM_GPU_LIB):$(CURDIR)/tests PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 NCCL_NVLS_ENABLE=0
+VLLM_GPU_OUT = $${OUT:-out}
 
-.PHONY: vllm-gpu-parts vllm-gpu vllm-gpu-profile vllm-gpu-mp vllm-gpu-ready vllm-gpu-sm90
+.PHONY: vllm-gpu-parts vllm-gpu-src vllm-gpu vllm-gpu-profile vllm-gpu-mp vllm-gpu-ready vllm-gpu-sm90
 vllm-gpu-parts:
 	bash tools/vllm_gpu_parts.sh $(CURDIR) --slim --download --part-mib 57
 	ls -l build/vllm-gpu/*
 
+vllm-gpu-src:
+	mkdir -p build/vllm-gpu/src
+	git archive --format=tar -o $(VLLM_GPU_TAR) HEAD src
+	@echo "$(VLLM_GPU_TAR): HEAD $$(git rev-parse --short HEAD); carry build/vllm-gpu/src with the last call"
+
 vllm-gpu-ready:
 	@test -f /tmp/vsite/.vllm_gpu_ready || { echo "vllm-gpu: no /tmp/vsite (send the parts first)"; exit 3; }
+	@if [ -f $(VLLM_GPU_TAR) ]; then rm -rf /tmp/fused_logp_src && mkdir -p /tmp/fused_logp_src && \
+		tar -xf $(VLLM_GPU_TAR) -C /tmp/fused_logp_src && echo "vllm-gpu: library from $(VLLM_GPU_TAR)"; \
+	else echo "vllm-gpu: library from the working tree's src/"; fi
 
 # the SM90 extension built once before engines start (a build interrupted by a time limit leaves torch's lock behind)
 vllm-gpu-sm90: vllm-gpu-ready
 	$(VLLM_GPU_ENV) $(PYTHON) -P -c "import time; t = time.time(); from fused_logp.kernel.sm90 import SM90Backend; \
-		print('sm90:', SM90Backend().available(), round(time.time() - t, 1), 's')"
+		ok = SM90Backend().available(); print('sm90:', ok[0], ok[1][-3000:], round(time.time() - t, 1), 's'); \
+		raise SystemExit(0 if ok[0] else 4)"
 
-vllm-gpu: vllm-gpu-ready
-	$(VLLM_GPU_ENV) $(PYTHON) -P bench/vllm_gpu.py all --out $${OUT:-out}/vllm-gpu
+vllm-gpu: vllm-gpu-sm90
+	$(VLLM_GPU_ENV) $(PYTHON) -P bench/vllm_gpu.py all --out $(VLLM_GPU_OUT)/vllm-gpu; rc=$$?; \
+	cp $(VLLM_GPU_OUT)/vllm-gpu/vllm-gpu.json $(VLLM_GPU_OUT)/vllm-gpu.json; \
+	tar -czf $(VLLM_GPU_OUT)/vllm-gpu.tgz -C $(VLLM_GPU_OUT) vllm-gpu && rm -rf $(VLLM_GPU_OUT)/vllm-gpu; exit $$rc
 
-vllm-gpu-profile: vllm-gpu-ready
-	mkdir -p $${OUT:-out}/vllm-gpu
+vllm-gpu-profile: vllm-gpu-sm90
+	mkdir -p $(VLLM_GPU_OUT)/vllm-gpu-profile
 	$(VLLM_GPU_ENV) $(PYTHON) -P bench/vllm_gpu.py model
 	for p in off on; do $(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_PROFILE=1 timeout 200 $(PYTHON) -P bench/vllm_gpu.py \
-		speed --plugin $$p --json $${OUT:-out}/vllm-gpu/profile-$$p.json > $${OUT:-out}/vllm-gpu/profile-$$p.log 2>&1; \
-		echo "profile-$$p rc $$?"; done
+		speed --plugin $$p --json $(VLLM_GPU_OUT)/vllm-gpu-profile/profile-$$p.json \
+		> $(VLLM_GPU_OUT)/vllm-gpu-profile/profile-$$p.log 2>&1; echo "profile-$$p rc $$?"; done
+	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-profile.tgz -C $(VLLM_GPU_OUT) vllm-gpu-profile && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-profile
 
 vllm-gpu-mp: vllm-gpu-ready
-	bash tools/vllm_gpu_mp_probe.sh $${OUT:-out}/vllm-gpu $${MP_LIMIT:-120}
+	bash tools/vllm_gpu_mp_probe.sh $(VLLM_GPU_OUT)/vllm-gpu-mp $${MP_LIMIT:-120} "$(VLLM_GPU_LIB)"; \
+	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-mp.tgz -C $(VLLM_GPU_OUT) vllm-gpu-mp && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-mp

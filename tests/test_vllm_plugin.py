@@ -131,6 +131,26 @@ def test_offline_logprobs_equal_op(llm, model_dir):
     assert status["non_contract"] == []
 
 
+def test_unit_temperature_batch_reads_head_statistics(llm, model_dir):
+    """A batch whose rows are all scored at T = 1 (T = 1 and greedy requests) takes its logprob columns from the
+    head call's own statistics: every recorded value still equals the op on the captured rows."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    weight = lm_head_weight(model_dir)
+    before = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["rows_head_stats"]
+    cases = [([21, 22, 23], 1.0), ([4, 5, 6, 7], 1.0), ([300, 301], 0.0), ([9, 99, 999], 1.0)]
+    params = [SamplingParams(temperature=t, max_tokens=4, logprobs=3, prompt_logprobs=1, seed=40 + i)
+              for i, (_, t) in enumerate(cases)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in cases], params, use_tqdm=False)
+    captured = llm.collective_rpc("fused_logp_captured")[0]
+    reqs = [(o.request_id, p, t, _dicts(o.outputs[0].logprobs), _dicts(o.prompt_logprobs[1:]),
+             o.outputs[0].token_ids) for (p, t), o in zip(cases, outs)]
+    assert check_outputs(reqs, captured, weight) > 4 * 4 * 3
+    after = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["rows_head_stats"]
+    assert after - before >= 4 * 4
+
+
 @pytest.mark.parametrize("kwargs", [
     {"top_k": 5, "presence_penalty": 0.5}, {"top_p": 0.9, "logit_bias": {5: 1.0}}, {"min_p": 0.1, "min_tokens": 2},
     {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},

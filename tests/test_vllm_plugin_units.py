@@ -163,3 +163,101 @@ def test_vllm_warmup_requests_are_recognised():
 
     assert is_vllm_warmup("_warmup_3_") and is_vllm_warmup("_v2_mixed_warmup_decode_")
     assert not is_vllm_warmup("0-1a2b3c4d") and not is_vllm_warmup("cmpl-abc-0-1a2b3c4d") and not is_vllm_warmup(None)
+
+
+def _head_call(h, w, **kw):
+    from fused_logp import shard_tile_stats
+
+    return shard_tile_stats(h, w, torch.zeros(h.shape[0], dtype=torch.int64), vocab_start=0, vocab_size=w.shape[0],
+                            return_logits=True, **kw)
+
+
+@pytest.mark.parametrize("backend", ["auto", "oracle"])
+def test_logp_of_ids_equals_logp_from_logits_at_unit_temperature(backend):
+    """The head call's own statistics give the same bytes as a second pass over its logits (logp_from_logits at
+    T = 1) and as the trainer's linear_logp, for one id or several per row; an id outside the vocabulary makes its
+    row invalid; statistics at another temperature are refused."""
+    from fused_logp import logp_from_logits
+    from fused_logp.kernel.op import logp_of_ids
+    from fused_logp.shared_contract.errors import ContractInputError
+
+    g = torch.Generator().manual_seed(3)
+    n, d, v = 5, 64, 333                                    # 6 tiles, the last one partial
+    h = torch.randn(n, d, generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, d, generator=g) * 0.3).to(torch.bfloat16)
+    bias = torch.randn(v, generator=g).to(torch.bfloat16)
+    for kw in ({}, {"bias": bias}):
+        stats = _head_call(h, w, backend=backend, **kw)
+        assert stats.unit_temperature
+        ids = torch.randint(0, v, (n, 4), generator=g)
+        ids[0, 1] = ids[0, 0]
+        ids[2, 3] = v - 1
+        got = logp_of_ids(stats, ids, vocab_size=v, backend=backend)
+        ref = logp_from_logits(stats.logits, ids, temperature=1.0, backend=backend)
+        assert torch.equal(got.logp.view(torch.int32), ref.logp.view(torch.int32))
+        assert torch.equal(got.lse.view(torch.int32), ref.lse.view(torch.int32))
+        one = logp_of_ids(stats, ids[:, 2], vocab_size=v, backend=backend)
+        tr = linear_logp(h, w, ids[:, 2], backend=backend, **kw)
+        assert torch.equal(one.logp.view(torch.int32), tr.logp.view(torch.int32))
+        assert torch.equal(one.lse.view(torch.int32), tr.lse.view(torch.int32))
+    with pytest.raises(ContractInputError, match="targets"):
+        logp_of_ids(stats, torch.full((n,), v), vocab_size=v, backend=backend)
+    warm = _head_call(h, w, backend=backend, temperature=0.7)
+    assert not warm.unit_temperature and _head_call(h, w, backend=backend, temperature=1).unit_temperature
+    with pytest.raises(ContractInputError, match="temperature 1"):
+        logp_of_ids(warm, ids, vocab_size=v, backend=backend)
+
+
+def test_rescore_from_head_statistics_equals_second_pass():
+    """rescore() with every row at T = 1 (greedy rows included) reads the columns from the head call's statistics:
+    the same bytes as the second pass it replaces; padding columns stay -inf; the capture records T = 1."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    from fused_logp.vllm_plugin.scoring import all_unit_temperature, effective_temperature, rescore
+    from fused_logp.vllm_plugin.settings import PluginSettings
+    from fused_logp.vllm_plugin.state import HeadState, Mark
+
+    import numpy as np
+
+    g = torch.Generator().manual_seed(1)
+    n, d, v = 4, 64, 200
+    h = torch.randn(n, d, generator=g).to(torch.bfloat16)
+    w = torch.randn(v, d, generator=g).to(torch.bfloat16)
+    stats = _head_call(h, w)
+    ids = torch.tensor([[5, 5, 9], [7, 1, 7], [0, 199, 3], [42, 43, 44]], dtype=torch.int32)
+    old = torch.full((n, 3), -1.0)
+    old[2, 2] = float("-inf")
+    host_t = np.array([1.0, 0.0, 1.0, 1e-6], dtype=np.float32)        # greedy rows are scored at T = 1
+    assert all_unit_temperature(host_t) and not all_unit_temperature(np.array([1.0, 0.7], dtype=np.float32))
+    assert not all_unit_temperature(None)
+    temps = effective_temperature(torch.from_numpy(host_t), n, "cpu")
+    outs = []
+    for unit in (False, True):
+        st = HeadState(PluginSettings(strict=True, backend="auto", capture=True, source="test"))
+        lt = LogprobsTensors(ids, old.clone(), torch.zeros(n, dtype=torch.int64))
+        outs.append(rescore(lt, stats.logits.clone(), lambda: temps, Mark(st, h, stats), unit_temperature=unit))
+        assert st.rows_head_stats == (n if unit else 0) and st.rows_rescored == n
+        assert [r["temperature"] for r in st.captured.peek()] == [1.0] * n
+    assert torch.equal(outs[0].logprobs.view(torch.int32), outs[1].logprobs.view(torch.int32))
+    assert outs[1].logprobs[2, 2] == float("-inf")
+
+
+def test_mrv2_request_flags():
+    """The MRV2 wrapper's per-slot flags: set once per request, grown on demand, a reused slot overwritten."""
+    import numpy as np
+
+    from fused_logp.kernel.transforms import TransformProgram
+    from fused_logp.vllm_plugin.mrv2_sampler import _Flags
+
+    f = _Flags(2)
+    f = f.grown(5)
+    f.set(5, TransformProgram(temperature=1.0), [])
+    f.set(1, TransformProgram(temperature=0.7, top_k=5), [])
+    f.set(0, None, ["presence_penalty=0.5"])
+    assert f.size >= 6 and f.covers(np.array([0, 5])) and not f.covers(np.array([f.size]))
+    assert f.program.tolist()[:6] == [False, True, False, False, False, True]
+    assert f.nonneutral.tolist()[:6] == [False, True, False, False, False, False]
+    assert f.flagged.tolist()[:6] == [True, False, False, False, False, False]
+    f.epoch[5] = 3
+    f.set(5, None, [])
+    assert not f.program[5] and f.epoch[5] == -1

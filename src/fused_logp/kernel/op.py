@@ -10,6 +10,8 @@
     merge_shard_stats(...)  the rank-ordered merge of gathered shard statistics
     linear_logp_tp(...)     both, with the statistics all-gathered over a torch.distributed group
     logp_from_logits(...)   the same statistics and merge over an FP32 logits row (any sharding upstream)
+    logp_of_ids(...)        logp of ids [N] or [N, C] from the statistics and logits of one T = 1 shard_tile_stats
+                            call over the whole vocabulary (no second pass over the row)
 
 A row whose logits contain a non-finite value (from a non-finite hidden or weight value, or an overflowing
 z / T) gets NaN logp and lse; the other rows are unaffected.
@@ -52,6 +54,7 @@ class ShardStats:
     tile_offset: int
     logits: torch.Tensor | None           # [N, n_real_local] fp32 unscaled, or None
     provenance: Provenance
+    unit_temperature: bool = False        # computed at T = 1 (a number that is 1 as binary32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -102,8 +105,8 @@ def _check_targets(targets, n, vocab_size, device, columns=False, host_check=Fal
         raise ContractInputError(f"targets must be on {device}; got {targets.device}")
     if n == 0:
         return targets.to(torch.int64), None
-    ok = (targets >= 0) & (targets < vocab_size)
     if device.type == "cpu" or host_check:
+        ok = (targets >= 0) & (targets < vocab_size)
         if not bool(ok.all()):
             bad = targets[~ok][0].item()
             raise ContractInputError(f"targets must lie in the real vocabulary [0, {vocab_size}); got {bad}")
@@ -111,9 +114,15 @@ def _check_targets(targets, n, vocab_size, device, columns=False, host_check=Fal
     # On a device: no host synchronisation and no device-side assertion (it would end the process or poison the
     # CUDA context). An invalid row's target becomes the safe id 0 before any launch; the row is reported
     # (CONTRACT.md section 0.1, _row_guard) and its logp and lse become NaN.
-    bad = ~ok if ok.dim() == 1 else ~ok.all(dim=1)
-    safe = torch.where(ok, targets, torch.zeros((), dtype=targets.dtype, device=device))
-    return safe.to(torch.int64).contiguous(), bad
+    return _device_safe_targets(targets, vocab_size)
+
+
+def _device_safe_targets(targets, vocab_size):
+    """-> (targets int64 with every id outside [0, vocab_size) replaced by 0, invalid-row mask [N] bool): a few
+    device operations, no host synchronisation (a serving engine calls this on every step)."""
+    bad = (targets < 0) | (targets >= vocab_size)
+    safe = targets.masked_fill(bad, 0)
+    return safe.to(torch.int64).contiguous(), (bad if bad.dim() == 1 else bad.any(dim=1))
 
 
 def _temperature_tensor(temperature, n, device):
@@ -141,7 +150,8 @@ def _temperature_tensor(temperature, n, device):
             return t.to(device=device).contiguous(), None
         if not n:
             return t.contiguous(), None
-        return torch.where(ok, t, torch.ones((), dtype=t.dtype, device=device)).contiguous(), ~ok
+        bad = ~ok
+        return t.masked_fill(bad, 1.0).contiguous(), bad
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ContractInputError(f"temperature must be a number or a tensor [N]; got {type(temperature).__name__}")
     t32 = torch.tensor(float(temperature), dtype=torch.float32)
@@ -174,8 +184,9 @@ class _RowErrors:
 
     def record(self, masks):
         with torch.inference_mode(False), torch.no_grad():
-            zero = self.count[0] * 0
-            self.count.add_(torch.stack([zero if m is None else m.sum() for m in masks]))
+            for i, m in enumerate(masks):
+                if m is not None:
+                    self.count[i].add_(m.sum())
             self.snapshot.copy_(self.count, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(self.count.device))
@@ -282,12 +293,30 @@ def _with_grad(forward, hidden, weight, bias, targets, temp, vocab_start, n_real
     return LogpResult(logp, lse, None, box[0].provenance)
 
 
+_device_provenance: dict = {}
+
+
 def _resolve(backend, strict, device):
     cfg = get_config()
     strict = cfg.strict if strict is None else bool(strict)
     name = cfg.backend if backend is None else backend
     be, fallback = select_backend(name, device, strict)
-    return be, make_provenance(be, strict=strict, fallback=fallback)
+    if be.name != "sm90":
+        return be, make_provenance(be, strict=strict, fallback=fallback)
+    # the device backend's record depends on the device only: built once per (device, strict, fallback)
+    key = (device, strict, fallback)
+    prov = _device_provenance.get(key)
+    if prov is None:
+        prov = _device_provenance[key] = make_provenance(be, strict=strict, fallback=fallback)
+    return be, prov
+
+
+def _is_unit_temperature(temperature) -> bool:
+    """True for a number that is 1 as binary32 (section 3: z' = z exactly); tensors are not inspected."""
+    if isinstance(temperature, torch.Tensor) or isinstance(temperature, bool) \
+            or not isinstance(temperature, (int, float)):
+        return False
+    return float(torch.tensor(float(temperature), dtype=torch.float32)) == 1.0
 
 
 def _require(be, method):
@@ -346,7 +375,7 @@ def shard_tile_stats(hidden, weight_shard, targets, *, vocab_start, vocab_size, 
                                       vocab_start=vocab_start, vocab_size=vocab_size, bias=b, temperature=temp,
                                       return_logits=bool(return_logits))
     st["tile_max"], st["target_logit"] = _nan_rows(bad, st["tile_max"], st["target_logit"])
-    return ShardStats(provenance=prov, **st)
+    return ShardStats(provenance=prov, unit_temperature=_is_unit_temperature(temperature), **st)
 
 
 def merge_shard_stats(stats: Sequence[ShardStats], *, vocab_size, backend=None, strict=None) -> LogpResult:
@@ -448,6 +477,37 @@ def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backe
                 for c in range(targets.shape[1])]
         return _nan_result(bad, LogpResult(torch.stack([c[0] for c in cols], dim=1), cols[0][1], None, prov))
     logp, lse = be.stats_from_logits(z, targets, temperature=temp, vocab_size=vocab_size)
+    return _nan_result(bad, LogpResult(logp, lse, None, prov))
+
+
+def logp_of_ids(stats: ShardStats, ids, *, vocab_size, backend=None, strict=None) -> LogpResult:
+    """logp of ids [N] (or [N, C], logp [N, C]) from one T = 1 shard_tile_stats call over the whole real vocabulary
+    (vocab_start 0, return_logits=True): the row merge (section 5) of that call's tile statistics, with
+    z'_id = z[id] read from its logits (section 3: T = 1 is exact). No second pass over the row: the same bytes as
+    logp_from_logits(stats.logits, ids, temperature=1.0) and linear_logp(..., ids) at T = 1. An id outside
+    [0, vocab_size) makes its row invalid (section 0.1)."""
+    if not isinstance(stats, ShardStats) or stats.logits is None:
+        raise ContractInputError("stats must be the ShardStats of a shard_tile_stats call with return_logits=True")
+    if not stats.unit_temperature:
+        raise ContractInputError("stats must come from a call at temperature 1 (a number); use logp_from_logits "
+                                 "for other temperatures")
+    n_tiles = -(-vocab_size // C.VOCAB_TILE)
+    if stats.tile_offset != 0 or stats.tile_max.shape[1] != n_tiles or stats.logits.shape[1] != vocab_size:
+        raise ContractInputError(f"stats must cover the whole real vocabulary ({vocab_size} ids, {n_tiles} tiles "
+                                 f"from tile 0); got {stats.tile_max.shape[1]} tiles from tile {stats.tile_offset}")
+    z = stats.logits
+    n, dev = z.shape[0], z.device
+    targets, bad_targets = _check_targets(ids, n, vocab_size, dev, columns=True)
+    be, prov = _resolve(backend, strict, dev)
+    bad = _row_guard(dev, strict, bad_targets, None)
+    cols = 1 if targets.dim() == 1 else targets.shape[1]
+    z_ids = z.gather(1, targets.view(n, cols)).view(-1)              # z'_id = z[id] at T = 1 (no arithmetic)
+    tile_max, tile_sum = stats.tile_max, stats.tile_sum
+    if cols > 1:
+        tile_max, tile_sum = tile_max.repeat_interleave(cols, dim=0), tile_sum.repeat_interleave(cols, dim=0)
+    logp, lse = _require(be, "merge_stats")(tile_max.contiguous(), tile_sum.contiguous(), z_ids.contiguous())
+    if targets.dim() == 2:
+        logp, lse = logp.view(n, cols), lse.view(n, cols)[:, 0]
     return _nan_result(bad, LogpResult(logp, lse, None, prov))
 
 

@@ -1,11 +1,14 @@
 """The lm_head surface: vLLM's LogitsProcessor whose projection is the contract op.
 
-`_get_logits` calls linear_logp(return_logits=True) on the real-vocab rows of the (local) lm_head and returns the
-op's unscaled FP32 logits; vLLM samples from them. Under tensor parallelism each rank's real rows are padded back
-to the partition width with zeros (vLLM's own padding value) before vLLM's gather, and the statistics are taken
-later over the gathered row with logp_from_logits, which works for any sharding (vLLM's shards need not be
-64-aligned). The returned tensor carries a `_fused_logp` mark that the sampler wrappers look for: logits without
-the mark (plugin off, or a head outside the contract in non-strict mode) pass through vLLM unchanged.
+`_get_logits` calls the op on the real-vocab rows of the (local) lm_head and returns its unscaled FP32 logits;
+vLLM samples from them. With one rank the call is shard_tile_stats over the whole vocabulary at T = 1
+(return_logits=True): the logits and the row's tile statistics in one launch, kept on the mark so that a batch
+whose rows are all scored at T = 1 reads its logprob columns from them (logp_of_ids) without a second pass. Under
+tensor parallelism it is linear_logp(return_logits=True) on each rank's real rows, padded back to the partition
+width with zeros (vLLM's own padding value) before vLLM's gather; the statistics are taken later over the
+gathered row with logp_from_logits, which works for any sharding (vLLM's shards need not be 64-aligned). The
+returned tensor carries a `_fused_logp` mark that the sampler wrappers look for: logits without the mark (plugin
+off, or a head outside the contract in non-strict mode) pass through vLLM unchanged.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-from .. import linear_logp
+from .. import linear_logp, shard_tile_stats
 from ..shared_contract.constants import CONTRACT_VERSION
 from . import capability, install
 from .policy import engine_reasons, head_reasons, refuse_or_warn
@@ -54,12 +57,15 @@ class FusedLogpLogitsProcessor(LogitsProcessor):
         st = self._fl_state
         if st is None or st.fallback is not None:
             return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
-        reasons = head_reasons(lm_head, embedding_bias, skip_gather)
-        if reasons:
-            refuse_or_warn(reasons, strict=st.settings.strict, where="the lm_head")
-            st.note(reasons)
-            st.fallback = "; ".join(reasons)
-            return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
+        key = (id(lm_head), id(lm_head.weight), embedding_bias is None, bool(skip_gather))
+        if st.head_checked != key:                       # checked once per lm_head (and bias / gather mode)
+            reasons = head_reasons(lm_head, embedding_bias, skip_gather)
+            if reasons:
+                refuse_or_warn(reasons, strict=st.settings.strict, where="the lm_head")
+                st.note(reasons)
+                st.fallback = "; ".join(reasons)
+                return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
+            st.head_checked = key
 
         if st.lm_head is None or st.lm_head() is not lm_head:
             st.lm_head = weakref.ref(lm_head)
@@ -74,9 +80,15 @@ class FusedLogpLogitsProcessor(LogitsProcessor):
         h = hidden_states.reshape(-1, hidden_states.shape[-1])                  # [N, D] bf16
         w = lm_head.weight[:n_real]                                             # [n_real, D] bf16
         bias = None if embedding_bias is None else embedding_bias[:n_real]
-        targets = torch.zeros(h.shape[0], dtype=torch.int64, device=h.device)
-        res = linear_logp(h, w, targets, bias=bias, return_logits=True, vocab_size=n_real,
-                          backend=st.settings.backend, strict=st.settings.strict)
+        targets = st.head_targets(h.shape[0], h.device)                        # id 0: no target is read
+        stats = None
+        if lm_head.tp_size == 1 and st.settings.backend != "torch":     # the torch backend has no tile statistics
+            stats = shard_tile_stats(h, w, targets, vocab_start=0, vocab_size=n_real, bias=bias,
+                                     return_logits=True, backend=st.settings.backend, strict=st.settings.strict)
+            res = stats
+        else:
+            res = linear_logp(h, w, targets, bias=bias, return_logits=True, vocab_size=n_real,
+                              backend=st.settings.backend, strict=st.settings.strict)
         st.op_calls += 1
         st.provenance = res.provenance                                         # to_dict() when read
         logits = res.logits                                                     # [N, n_real] fp32, unscaled
@@ -87,10 +99,13 @@ class FusedLogpLogitsProcessor(LogitsProcessor):
             logits = self._gather_logits(logits)
         if logits is None:
             return None
-        logits = logits[..., : self.org_vocab_size]
+        if logits.shape[-1] != self.org_vocab_size:
+            logits = logits[..., : self.org_vocab_size]
+            stats = None
         if not logits.is_contiguous():
             logits = logits.contiguous()
-        logits._fused_logp = Mark(st, h.detach().clone() if st.settings.capture else None)
+            stats = None
+        logits._fused_logp = Mark(st, h.detach().clone() if st.settings.capture else None, stats)
         ctx = PROMPT_CTX.get()
         if ctx is not None:
             ctx.last_logits = logits

@@ -5,20 +5,66 @@ sampling params with top-k / top-p / min-p off for a program request (temperatur
 given). `__call__` masks the head's FP32 logits to each program row's kept set, lets vLLM sample, checks that
 every program row's token is in its set, and rescores every logprob column with the contract op. Both known
 add_request shapes are handled (capability.HookShapes.mrv2_sp_index) and both logprobs probes
-(`get_logprobs_dims` / `returns_logprobs`)."""
+(`get_logprobs_dims` / `returns_logprobs`).
+
+Per step the wrapper works on per-request flags (numpy arrays indexed by vLLM's request slot, set once in
+add_request), not on per-row Python loops: a batch without program rows, flagged requests or capture builds no
+per-row lists; a batch whose rows are all scored at T = 1 (vLLM's host copy of the temperatures) reads its
+logprob columns from the head call's statistics."""
 from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from .policy import request_reasons, transform_program, transform_reasons
-from .scoring import check_sampled, effective_temperature, kept_rows, program_groups, rescore
+from .scoring import all_unit_temperature, check_sampled, effective_temperature, kept_rows, program_groups, rescore
 from .state import is_vllm_warmup, mark_of
+
+_NO_EPOCH = -1
+_ANY_VOCAB = 1 << 62          # is_neutral at this size: only programs without any top-k / top-p / min-p
 
 
 def row_temperature(sampler, input_batch):
     """Per-row scoring temperature of an MRV2 batch (greedy rows, T = 0 in vLLM's state, at 1)."""
     t = sampler.sampling_states.temperature.gpu[input_batch.expanded_idx_mapping]
     return effective_temperature(t, t.shape[0], t.device)
+
+
+def host_temperature(sampler, idx):
+    """vLLM's host copy of the batch rows' sampling temperatures (its source of truth), or None."""
+    t = getattr(getattr(sampler, "sampling_states", None), "temperature", None)
+    t = getattr(t, "np", None)
+    return None if t is None else t[idx]
+
+
+class _Flags:
+    """Per request slot (vLLM's req_idx): has a program that may not be neutral, has non-contract features, has a
+    program at all, and the programs-RPC epoch at which its program was last recorded."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.program = np.zeros(size, dtype=bool)
+        self.nonneutral = np.zeros(size, dtype=bool)
+        self.flagged = np.zeros(size, dtype=bool)
+        self.epoch = np.full(size, _NO_EPOCH, dtype=np.int64)
+
+    def grown(self, req_idx: int) -> "_Flags":
+        if req_idx < self.size:
+            return self
+        new = _Flags(max(2 * self.size, req_idx + 1))
+        for name in ("program", "nonneutral", "flagged", "epoch"):
+            getattr(new, name)[: self.size] = getattr(self, name)
+        return new
+
+    def set(self, req_idx: int, prog, reasons) -> None:
+        self.program[req_idx] = prog is not None
+        self.nonneutral[req_idx] = prog is not None and not prog.is_neutral(_ANY_VOCAB)
+        self.flagged[req_idx] = bool(reasons)
+        self.epoch[req_idx] = _NO_EPOCH
+
+    def covers(self, rows) -> bool:
+        return len(rows) == 0 or int(rows.max()) < self.size
 
 
 def install(shapes) -> None:
@@ -40,11 +86,15 @@ def install(shapes) -> None:
             params = kwargs["sampling_params"]
         else:
             params = args[sp_index]
-        req_idx = kwargs["req_idx"] if "req_idx" in kwargs else args[0]
+        req_idx = int(kwargs["req_idx"] if "req_idx" in kwargs else args[0])
         d = self.__dict__
         prog = transform_program(params)
-        d.setdefault("_fused_logp_programs", {})[int(req_idx)] = prog
-        d.setdefault("_fused_logp_flagged", {})[int(req_idx)] = request_reasons(params)
+        reasons = request_reasons(params)
+        d.setdefault("_fused_logp_programs", {})[req_idx] = prog
+        d.setdefault("_fused_logp_flagged", {})[req_idx] = reasons
+        flags = d.get("_fused_logp_flags") or _Flags(256)
+        flags = d["_fused_logp_flags"] = flags.grown(req_idx)
+        flags.set(req_idx, prog, reasons)
         if prog is not None and transform_reasons(params):
             params = params.clone()
             params.top_k, params.top_p, params.min_p = 0, 1.0, 0.0
@@ -57,10 +107,18 @@ def install(shapes) -> None:
     @functools.wraps(orig_call)
     def __call__(self, logits, input_batch, *args, **kwargs):
         mark = mark_of(logits)
+        d = self.__dict__
         idx = input_batch.idx_mapping_np
-        progs = self.__dict__.get("_fused_logp_programs", {})
-        rows = idx if logits.shape[0] == len(idx) else input_batch.expanded_idx_mapping.cpu().numpy()
-        programs = [progs.get(int(i)) for i in rows]
+        expanded = logits.shape[0] != len(idx)
+        rows = input_batch.expanded_idx_mapping.cpu().numpy() if expanded else idx
+        flags = d.get("_fused_logp_flags")
+        if flags is not None and not flags.covers(rows):
+            flags = None                                  # a slot never added (vLLM's dummy runs): no shortcuts
+        capture = mark is not None and mark.state.settings.capture
+        progs = d.get("_fused_logp_programs", {})
+        programs = None
+        if flags is None or capture or expanded or flags.nonneutral[rows].any():
+            programs = [progs.get(int(i)) for i in rows]
         groups = program_groups(programs, logits.shape[1])
         keep = kept_rows(logits, groups)              # on the unscaled FP32 logits
         if mark is None:
@@ -70,10 +128,11 @@ def install(shapes) -> None:
             out = orig_call(self, logits.masked_fill(~keep, float("-inf")), input_batch, *args, **kwargs)
             check_sampled(keep, out.sampled_token_ids, groups, None)
             return out
-        flagged = self.__dict__.get("_fused_logp_flagged", {})
-        for i, rid in zip(idx, input_batch.req_ids):
-            if flagged.get(int(i)) and not is_vllm_warmup(rid):     # vLLM's warm-up exercises every feature
-                mark.state.note(flagged[int(i)])
+        if flags is None or flags.flagged[idx].any():
+            flagged = d.get("_fused_logp_flagged", {})
+            for i, rid in zip(idx, input_batch.req_ids):
+                if flagged.get(int(i)) and not is_vllm_warmup(rid):     # vLLM's warm-up exercises every feature
+                    mark.state.note(flagged[int(i)])
         z = logits.clone() if wants_logprobs(self, idx) else None
         masked = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
         if keep is not None:
@@ -82,8 +141,18 @@ def install(shapes) -> None:
         if keep is not None:
             check_sampled(keep, out.sampled_token_ids, groups, mark)
         if z is not None and out.logprobs_tensors is not None:
-            out.logprobs_tensors = rescore(out.logprobs_tensors, z, row_temperature(self, input_batch),
-                                           mark, req_ids=list(input_batch.req_ids), programs=programs)
+            req_ids = list(input_batch.req_ids)
+            record = None
+            if flags is not None and programs is None and not expanded:
+                # record each request's program once per programs-RPC epoch (not a dict lookup per row per step)
+                st = mark.state
+                new = np.nonzero(flags.program[idx] & (flags.epoch[idx] != st.programs_epoch))[0]
+                record = ([req_ids[r] for r in new], [progs.get(int(idx[r])) for r in new])
+                flags.epoch[idx[new]] = st.programs_epoch
+            unit = not expanded and all_unit_temperature(host_temperature(self, idx))
+            out.logprobs_tensors = rescore(out.logprobs_tensors, z, lambda: row_temperature(self, input_batch),
+                                           mark, req_ids=req_ids, programs=programs, unit_temperature=unit,
+                                           record=record)
         return out
 
     Sampler.__call__ = __call__

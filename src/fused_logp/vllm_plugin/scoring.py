@@ -5,13 +5,16 @@ Adapters hold no arithmetic: the values come from fused_logp.logp_from_logits / 
 greedy and epsilon rules from fused_logp.shared_contract.sampling."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from .. import logp_from_logits
+from ..kernel.op import logp_of_ids
 from ..kernel.transforms import kept_mask, program_logp_from_logits
-from ..shared_contract.sampling import scoring_temperatures
+from ..shared_contract.sampling import GREEDY_SCORING_TEMPERATURE, scoring_temperatures
 from .state import Mark
 
 
@@ -19,6 +22,16 @@ def effective_temperature(temp, n: int, device) -> torch.Tensor:
     """Per-row FP32 scoring temperature [n] from vLLM's per-row sampling temperature (None when all greedy):
     shared_contract.sampling.scoring_temperatures."""
     return scoring_temperatures(temp, n, device)
+
+
+def all_unit_temperature(host_temperature) -> bool:
+    """True when every row's scoring temperature is 1, read from the engine's host copy of the per-row sampling
+    temperatures (a numpy array; no device synchronisation): greedy rows count as 1
+    (shared_contract.sampling.scoring_temperatures)."""
+    if host_temperature is None:
+        return False
+    t = torch.from_numpy(np.ascontiguousarray(host_temperature, dtype=np.float32))
+    return bool(scoring_temperatures(t, t.shape[0]).eq(GREEDY_SCORING_TEMPERATURE).all())
 
 
 def program_groups(programs, vocab: int) -> dict:
@@ -56,11 +69,24 @@ def check_sampled(keep: torch.Tensor, sampled: torch.Tensor, groups: dict, mark)
         mark.state.rows_program += len(rows)
 
 
-def rescore(lt, z: torch.Tensor, temperature: torch.Tensor, mark: Mark, *, req_ids=None, kind="sample",
-            programs=None):
+def _head_stats(mark: Mark, z: torch.Tensor):
+    """The head call's T = 1 statistics for the logits z (a copy of the head's logits taken before vLLM's sampler
+    touched them), or None where they do not describe z row for row."""
+    stats = mark.stats
+    if stats is None or stats.tile_max.shape[0] != z.shape[0] or stats.logits is None \
+            or stats.logits.shape != z.shape:
+        return None
+    return dataclasses.replace(stats, logits=z)
+
+
+def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind="sample", programs=None,
+            unit_temperature: bool = False, record=None):
     """LogprobsTensors with every column replaced by the contract logp of its id (padding columns, -inf in
-    vLLM's output, stay -inf). z [N, V] fp32 unscaled; temperature [N] fp32. A row whose program (programs[r])
-    is not neutral gets the program's logp instead, -inf for an id outside its kept set."""
+    vLLM's output, stay -inf). z [N, V] fp32 unscaled; temperature [N] fp32 (a tensor, or a callable returning
+    it). A row whose program (programs[r]) is not neutral gets the program's logp instead, -inf for an id outside
+    its kept set. unit_temperature: every row's scoring temperature is known (on the host) to be 1; the columns
+    are then read from the head call's own statistics (logp_of_ids, the same bytes) instead of a second pass over
+    the row. record: the (request id, program) pairs to record for the programs RPC (default: every row's)."""
     st = mark.state
     if lt is None:
         return lt
@@ -70,8 +96,17 @@ def rescore(lt, z: torch.Tensor, temperature: torch.Tensor, mark: Mark, *, req_i
         return lt
     old = lt.logprobs
     ids64 = ids.to(device=z.device, dtype=torch.int64)
-    new = logp_from_logits(z, ids64, temperature=temperature, vocab_size=z.shape[1],
-                           backend=st.settings.backend, strict=st.settings.strict).logp
+    stats = _head_stats(mark, z) if unit_temperature else None
+    if stats is not None:
+        new = logp_of_ids(stats, ids64, vocab_size=z.shape[1], backend=st.settings.backend,
+                          strict=st.settings.strict).logp
+        temperature = None
+        st.rows_head_stats += int(new.shape[0])
+    else:
+        if callable(temperature):
+            temperature = temperature()
+        new = logp_from_logits(z, ids64, temperature=temperature, vocab_size=z.shape[1],
+                               backend=st.settings.backend, strict=st.settings.strict).logp
     for prog, rows in program_groups(programs, z.shape[1]).items():
         idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
         lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
@@ -80,9 +115,15 @@ def rescore(lt, z: torch.Tensor, temperature: torch.Tensor, mark: Mark, *, req_i
     new = new.to(old.device)
     new = torch.where(torch.isneginf(old), old, new)
     st.rows_rescored += int(new.shape[0])
-    if programs is not None and req_ids is not None:
+    if record is not None:
+        st.record_programs(*record)
+    elif programs is not None and req_ids is not None:
         st.record_programs(req_ids, programs)
     if st.settings.capture and mark.hidden is not None:
+        if temperature is None:
+            temperature = torch.full((z.shape[0],), GREEDY_SCORING_TEMPERATURE, dtype=torch.float32)
+        elif callable(temperature):
+            temperature = temperature()
         capture(st, mark.hidden, temperature, ids64, new, req_ids, kind, programs)
     return lt._replace(logprobs=new)
 

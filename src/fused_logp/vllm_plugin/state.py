@@ -16,6 +16,8 @@ from .settings import PluginSettings
 # Set by the V1 runner's _sample wrapper: the request id and transform program of every sampler row.
 ROW_REQS: contextvars.ContextVar = contextvars.ContextVar("fused_logp_rows", default=None)
 ROW_PROGRAMS: contextvars.ContextVar = contextvars.ContextVar("fused_logp_programs", default=None)
+# Set by the V1 runner's _sample wrapper: vLLM's host copy of every sampler row's sampling temperature (numpy).
+ROW_HOST_TEMPERATURE: contextvars.ContextVar = contextvars.ContextVar("fused_logp_host_temperature", default=None)
 # Set by the V1 sampler wrapper around vLLM's forward: the kept-set mask Sampler.sample applies.
 SAMPLE_KEEP: contextvars.ContextVar = contextvars.ContextVar("fused_logp_keep", default=None)
 # Set by the prompt-logprob wrappers; the head leaves its last logits there.
@@ -74,11 +76,15 @@ class HeadState:
     fingerprint_changes: int = 0                               # informational: how often the bytes changed
     op_calls: int = 0
     rows_rescored: int = 0
+    rows_head_stats: int = 0                                   # of those, read from the head call's statistics
     rows_program: int = 0                                      # sampled rows drawn from a program's kept set
     programs: dict = dataclasses.field(default_factory=dict)   # req_id -> program dict (bounded, newest last)
+    programs_epoch: int = 0                                    # bumped when the programs RPC drains `programs`
     fallback: str | None = None                                # why vLLM's own head ran, if it did
     captured: CaptureBuffer | None = None
     lm_head: object = None                                     # weakref to the lm_head module
+    head_checked: tuple | None = None                          # the (lm_head, bias, skip_gather) found contract
+    zeros: torch.Tensor | None = None                          # the head call's targets (id 0), reused per step
 
     def __post_init__(self):
         if self.captured is None:
@@ -97,6 +103,15 @@ class HeadState:
         while len(self.programs) > limit:
             self.programs.pop(next(iter(self.programs)))
 
+    def head_targets(self, n: int, device) -> torch.Tensor:
+        """int64 zeros [n] on `device` (the head call's targets: it reads the logits and the statistics, not a
+        target's logp), one buffer grown as needed instead of a new tensor every step."""
+        z = self.zeros
+        if z is None or z.device != torch.device(device) or z.shape[0] < n:
+            with torch.inference_mode(False):
+                z = self.zeros = torch.zeros(max(n, 256), dtype=torch.int64, device=device)
+        return z[:n]
+
 
 @dataclasses.dataclass
 class Mark:
@@ -104,6 +119,7 @@ class Mark:
     logits."""
     state: HeadState
     hidden: torch.Tensor | None        # [N, D] bf16, kept only when capturing
+    stats: object = None               # the head call's ShardStats at T = 1 (whole vocabulary), or None
 
 
 # vLLM's own warm-up requests (Model Runner V2 warm-up; "for_sampler_warmup" exercises every sampling feature)

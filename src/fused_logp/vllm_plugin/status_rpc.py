@@ -33,7 +33,8 @@ def head_status(st) -> dict:
     return {
         "strict": st.settings.strict, "backend": st.settings.backend, "contract_version": CONTRACT_VERSION,
         "provenance": None if st.provenance is None else st.provenance.to_dict(), "fallback": st.fallback, "non_contract": sorted(st.notes),
-        "op_calls": st.op_calls, "rows_rescored": st.rows_rescored, "rows_program": st.rows_program,
+        "op_calls": st.op_calls, "rows_rescored": st.rows_rescored,
+        "rows_head_stats": st.rows_head_stats, "rows_program": st.rows_program,
         "transform_program_version": TRANSFORM_PROGRAM_VERSION,
         "fingerprint": st.fingerprint, "weight_version": st.fingerprint,
         "fingerprint_changes": st.fingerprint_changes,
@@ -76,6 +77,7 @@ def fused_logp_programs(self, clear: bool = True) -> dict:
         out.update(st.programs)
         if clear:
             st.programs = {}
+            st.programs_epoch += 1          # requests scored after this call are recorded again
     return out
 
 

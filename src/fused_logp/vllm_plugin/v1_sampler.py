@@ -14,8 +14,8 @@ import functools
 import torch
 
 from .policy import transform_program
-from .scoring import check_sampled, effective_temperature, kept_rows, program_groups, rescore
-from .state import ROW_PROGRAMS, ROW_REQS, SAMPLE_KEEP, mark_of
+from .scoring import all_unit_temperature, check_sampled, effective_temperature, kept_rows, program_groups, rescore
+from .state import ROW_HOST_TEMPERATURE, ROW_PROGRAMS, ROW_REQS, SAMPLE_KEEP, mark_of
 
 
 def _min_p(md):
@@ -107,9 +107,12 @@ def install_sampler() -> None:
         if keep is not None:
             check_sampled(keep, out.sampled_token_ids[:, 0], groups, mark)
         if want and out.logprobs_tensors is not None:
-            t = effective_temperature(md.temperature, z.shape[0], z.device)
-            out.logprobs_tensors = rescore(out.logprobs_tensors, z, t, mark, req_ids=ROW_REQS.get(),
-                                           programs=programs)
+            host_t = ROW_HOST_TEMPERATURE.get()
+            unit = bool(md.all_greedy) or (host_t is not None and len(host_t) == z.shape[0]
+                                           and all_unit_temperature(host_t))
+            out.logprobs_tensors = rescore(out.logprobs_tensors, z,
+                                           lambda: effective_temperature(md.temperature, z.shape[0], z.device),
+                                           mark, req_ids=ROW_REQS.get(), programs=programs, unit_temperature=unit)
         return out
 
     @functools.wraps(orig_sample)
@@ -154,9 +157,14 @@ def install_runner() -> None:
         programs = [_program_of(self.requests.get(r)) for r in req_ids]
         token = ROW_REQS.set(req_ids)
         ptoken = ROW_PROGRAMS.set(None if spec_decode_metadata is not None else programs)
+        # vLLM's host copy of the rows' sampling temperatures (its source of truth for the batch)
+        host_t = getattr(self.input_batch, "temperature_cpu", None)
+        ttoken = ROW_HOST_TEMPERATURE.set(None if host_t is None or spec_decode_metadata is not None
+                                          else host_t[: len(req_ids)].copy())
         try:
             return orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
         finally:
+            ROW_HOST_TEMPERATURE.reset(ttoken)
             ROW_PROGRAMS.reset(ptoken)
             ROW_REQS.reset(token)
 
