@@ -1,20 +1,24 @@
 """The compiled CPU oracle (`oracle-fast`): contract v1 on the CPU with exactly the bytes of kernel/oracle.py.
 
 Why C++ through torch's extension builder (kernel/cpu/oracle_cpu.cpp), and not numba or a numpy rewrite:
-the GEMM rule is integer work on bit fields (a product of two 8-bit bf16 significands is a 16-bit integer,
-shifted by a per-lane exponent difference and truncated; 16 of them fit int32, the accumulator's term
-needs int64). What makes it fast is explicit AVX-512 lane work (variable shifts, a three-way XOR for the
-signs, a popcount for the negative-term correction, int64 -> float64 conversion for the normalisation) over 16
-output columns at a time, which a JIT compiler does not emit from loops reliably. torch.utils.cpp_extension is
-already how the project builds its SM90 kernel, needs no new dependency beyond a C++ compiler and ninja, and
-at::parallel_for uses torch's own OpenMP pool (torch.set_num_threads applies). The numpy oracle stays the
-readable reference; tests compare the two byte for byte on every input class at test time.
+the GEMM rule is per-term work on bit fields: each product is aligned to its group's largest nominal exponent
+and truncated, 16 of them and the accumulator's term are summed exactly, and the sum is truncated to 24 bits.
+What makes it fast is explicit AVX-512 lane work over 16 output columns at a time, with the exactness argued
+step by step in the source: the group's emax of two rows at once in int16 lanes, each term as one binary32
+product scaled by a power of two and converted with truncation (exact where emax lies in [-90, 60]; any other
+lane, a row with |h| >= 2^36 and anything non-finite go to the scalar rule), the 24-bit truncation as an int32
+-> binary32 conversion rounding toward zero; the statistics with the contract's exp on 16 lanes. A JIT compiler
+does not emit that from loops reliably. torch.utils.cpp_extension is already how the project builds its SM90
+kernel, needs no new dependency beyond a C++ compiler and ninja, and at::parallel_for uses torch's own OpenMP
+pool (torch.set_num_threads applies). The numpy oracle stays the readable reference; tests compare the two byte
+for byte on every input class at test time.
 
-Bytes do not depend on the build: the integer GEMM is exact on any instruction set (a portable scalar path
-computes the same function where AVX-512 is absent; tests compare both), and every float operation of the
-statistics is one IEEE binary32 operation: the build uses -ffp-contract=off and no fast-math, so nothing is
-fused or reassociated. The contract constants are passed as -D definitions generated from
-shared_contract/constants.py and read back after the build (a mismatch makes the backend unavailable).
+Bytes do not depend on the build: the GEMM is exact on any instruction set (a portable scalar path, the rule as
+written, computes the same function where AVX-512 is absent and decides the vector path's edge lanes; tests
+compare both), and every float operation of the statistics is one IEEE binary32 operation: the build uses
+-ffp-contract=off and no fast-math, so nothing is fused or reassociated. The contract constants are passed as
+-D definitions generated from shared_contract/constants.py and read back after the build (a mismatch makes the
+backend unavailable).
 
 Batch invariance: a logit depends on its (row, column) pair only, a tile statistic on its (row, tile), the merge
 on its row; how rows and columns are split over threads changes no bit.
