@@ -173,6 +173,31 @@ def _head_call(h, w, **kw):
 
 
 @pytest.mark.parametrize("backend", ["auto", "oracle"])
+def test_logits_and_stats_is_the_t1_shard_call(backend):
+    """The serving head entry (no targets) gives the bytes of shard_tile_stats at T = 1 with targets 0 and the
+    logits of linear_logp(return_logits=True), with and without bias and for weights with padding rows."""
+    from fused_logp.kernel.op import logits_and_stats
+
+    g = torch.Generator().manual_seed(5)
+    n, d, v = 6, 48, 261
+    h = torch.randn(n, d, generator=g).to(torch.bfloat16)
+    w = (torch.randn(v + 11, d, generator=g) * 0.3).to(torch.bfloat16)        # 11 padding rows
+    bias = torch.randn(v + 11, generator=g).to(torch.bfloat16)
+    for kw in ({}, {"bias": bias}):
+        got = logits_and_stats(h, w, vocab_size=v, backend=backend, **kw)
+        ref = _head_call(h, w[:v], backend=backend, **({"bias": bias[:v]} if kw else {}))
+        assert got.unit_temperature and got.tile_offset == 0
+        for a, b in ((got.tile_max, ref.tile_max), (got.tile_sum, ref.tile_sum), (got.logits, ref.logits)):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        lin = linear_logp(h, w, torch.zeros(n, dtype=torch.int64), vocab_size=v, return_logits=True,
+                          backend=backend, **kw)
+        assert torch.equal(got.logits.view(torch.int32), lin.logits.view(torch.int32))
+    big = logits_and_stats(torch.cat([h] * 50), w, vocab_size=v, backend=backend)   # the row buffers grow
+    small = logits_and_stats(h, w, vocab_size=v, backend=backend)
+    assert torch.equal(big.logits[:n].view(torch.int32), small.logits.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["auto", "oracle"])
 def test_logp_of_ids_equals_logp_from_logits_at_unit_temperature(backend):
     """The head call's own statistics give the same bytes as a second pass over its logits (logp_from_logits at
     T = 1) and as the trainer's linear_logp, for one id or several per row; an id outside the vocabulary makes its

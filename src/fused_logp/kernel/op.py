@@ -10,8 +10,9 @@
     merge_shard_stats(...)  the rank-ordered merge of gathered shard statistics
     linear_logp_tp(...)     both, with the statistics all-gathered over a torch.distributed group
     logp_from_logits(...)   the same statistics and merge over an FP32 logits row (any sharding upstream)
-    logp_of_ids(...)        logp of ids [N] or [N, C] from the statistics and logits of one T = 1 shard_tile_stats
-                            call over the whole vocabulary (no second pass over the row)
+    logits_and_stats(...)   a serving lm_head: unscaled logits and T = 1 tile statistics of every row, no targets
+    logp_of_ids(...)        logp of ids [N] or [N, C] from the statistics and logits of one T = 1 call over the whole
+                            vocabulary (logits_and_stats, shard_tile_stats): no second pass over the row
 
 A row whose logits contain a non-finite value (from a non-finite hidden or weight value, or an overflowing
 z / T) gets NaN logp and lse; the other rows are unaffected.
@@ -478,6 +479,39 @@ def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backe
         return _nan_result(bad, LogpResult(torch.stack([c[0] for c in cols], dim=1), cols[0][1], None, prov))
     logp, lse = be.stats_from_logits(z, targets, temperature=temp, vocab_size=vocab_size)
     return _nan_result(bad, LogpResult(logp, lse, None, prov))
+
+
+_constant_rows: dict = {}
+
+
+def _constant_row_values(kind, n, device):
+    """[n] int64 zeros ('targets') or FP32 ones ('temperature') on `device`: slices of one buffer per device, made
+    outside inference mode and never written (a serving engine asks for them every step)."""
+    key = (kind, device)
+    buf = _constant_rows.get(key)
+    if buf is None or buf.shape[0] < n:
+        with torch.inference_mode(False):
+            size = max(n, 256 if buf is None else 2 * buf.shape[0])
+            buf = _constant_rows[key] = (torch.zeros(size, dtype=torch.int64, device=device) if kind == "targets"
+                                         else torch.ones(size, dtype=torch.float32, device=device))
+    return buf[:n]
+
+
+def logits_and_stats(hidden, weight, *, vocab_size=None, bias=None, backend=None, strict=None) -> ShardStats:
+    """A serving lm_head: the unscaled FP32 logits z (section 2) and every row's T = 1 tile statistics over the whole
+    real vocabulary (section 4), one launch, with no targets (no row can be invalid; the target slots read id 0).
+    The same bytes as shard_tile_stats(hidden, weight, zeros, vocab_start=0, return_logits=True); logp_of_ids then
+    gives any id's logp and the lse without a second pass over the row."""
+    _check_hidden_weight(hidden, weight)
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    _check_vocab(vocab_size, weight.shape[0])
+    n, dev = hidden.shape[0], hidden.device
+    b = _bias_tensor(bias, weight.shape[0], dev)
+    be, prov = _resolve(backend, strict, dev)
+    st = _require(be, "shard_stats")(hidden.contiguous(), weight.contiguous(), _constant_row_values("targets", n, dev),
+                                      vocab_start=0, vocab_size=vocab_size, bias=b,
+                                      temperature=_constant_row_values("temperature", n, dev), return_logits=True)
+    return ShardStats(provenance=prov, unit_temperature=True, **st)
 
 
 def logp_of_ids(stats: ShardStats, ids, *, vocab_size, backend=None, strict=None) -> LogpResult:

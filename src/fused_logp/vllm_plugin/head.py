@@ -1,10 +1,10 @@
 """The lm_head surface: vLLM's LogitsProcessor whose projection is the contract op.
 
 `_get_logits` calls the op on the real-vocab rows of the (local) lm_head and returns its unscaled FP32 logits;
-vLLM samples from them. With one rank the call is shard_tile_stats over the whole vocabulary at T = 1
-(return_logits=True): the logits and the row's tile statistics in one launch, kept on the mark so that a batch
-whose rows are all scored at T = 1 reads its logprob columns from them (logp_of_ids) without a second pass. Under
-tensor parallelism it is linear_logp(return_logits=True) on each rank's real rows, padded back to the partition
+vLLM samples from them. With one rank the call is logits_and_stats (the logits and every row's T = 1 tile
+statistics in one launch, no targets), kept on the mark so that a batch whose rows are all scored at T = 1 reads
+its logprob columns from them (logp_of_ids) without a second pass. Under tensor parallelism it is
+linear_logp(return_logits=True) on each rank's real rows, padded back to the partition
 width with zeros (vLLM's own padding value) before vLLM's gather; the statistics are taken later over the
 gathered row with logp_from_logits, which works for any sharding (vLLM's shards need not be 64-aligned). The
 returned tensor carries a `_fused_logp` mark that the sampler wrappers look for: logits without the mark (plugin
@@ -20,7 +20,8 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-from .. import linear_logp, shard_tile_stats
+from .. import linear_logp
+from ..kernel.op import logits_and_stats
 from ..shared_contract.constants import CONTRACT_VERSION
 from . import capability, install
 from .policy import engine_reasons, head_reasons, refuse_or_warn
@@ -80,13 +81,12 @@ class FusedLogpLogitsProcessor(LogitsProcessor):
         h = hidden_states.reshape(-1, hidden_states.shape[-1])                  # [N, D] bf16
         w = lm_head.weight[:n_real]                                             # [n_real, D] bf16
         bias = None if embedding_bias is None else embedding_bias[:n_real]
-        targets = st.head_targets(h.shape[0], h.device)                        # id 0: no target is read
         stats = None
         if lm_head.tp_size == 1 and st.settings.backend != "torch":     # the torch backend has no tile statistics
-            stats = shard_tile_stats(h, w, targets, vocab_start=0, vocab_size=n_real, bias=bias,
-                                     return_logits=True, backend=st.settings.backend, strict=st.settings.strict)
-            res = stats
+            stats = res = logits_and_stats(h, w, vocab_size=n_real, bias=bias, backend=st.settings.backend,
+                                           strict=st.settings.strict)
         else:
+            targets = st.head_targets(h.shape[0], h.device)                    # id 0: no target is read
             res = linear_logp(h, w, targets, bias=bias, return_logits=True, vocab_size=n_real,
                               backend=st.settings.backend, strict=st.settings.strict)
         st.op_calls += 1
