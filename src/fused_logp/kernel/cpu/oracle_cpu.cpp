@@ -360,13 +360,13 @@ inline __m512i group_row_f32(__m512i acc, __m512i e_prod, const float* hf, const
   __mmask16 bad = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(EMAX_HI - EMAX_LO));
   // 2^(-39 - emax) = 2^(25 - emax) / 2^64: exponent field 88 - emax (normal for emax in [EMAX_LO, EMAX_HI])
   const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(88 - EMAX_LO), u), 23));
-  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-  for (int k = 0; k < KG; k += 2) {
-    __m512 p0 = _mm512_mul_ps(_mm512_set1_ps(hf[k]), _mm512_castsi512_ps(_mm512_loadu_si512(WF + k * 16)));
-    __m512 p1 = _mm512_mul_ps(_mm512_set1_ps(hf[k + 1]), _mm512_castsi512_ps(_mm512_loadu_si512(WF + (k + 1) * 16)));
-    s0 = _mm512_add_epi32(s0, _mm512_cvttps_epi32(_mm512_mul_ps(p0, scale)));
-    s1 = _mm512_add_epi32(s1, _mm512_cvttps_epi32(_mm512_mul_ps(p1, scale)));
+  __m512i sk[4];
+  for (int k = 0; k < KG; ++k) {
+    __m512 pk = _mm512_mul_ps(_mm512_set1_ps(hf[k]), _mm512_castsi512_ps(_mm512_loadu_si512(WF + k * 16)));
+    __m512i tk = _mm512_cvttps_epi32(_mm512_mul_ps(pk, scale));
+    sk[k & 3] = k < 4 ? tk : _mm512_add_epi32(sk[k & 3], tk);       // four chains of four terms
   }
+  const __m512i s0 = _mm512_add_epi32(sk[0], sk[1]), s1 = _mm512_add_epi32(sk[2], sk[3]);
   // c's term: trunc(c * 2^(25 - emax)) = cvtt((c * 2^64) * 2^(-39 - emax)); |c| < 2^61 where emax <= 60
   const __m512i tc = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(acc), _mm512_set1_ps(TWO_64)),
                                                        scale));
@@ -392,33 +392,40 @@ inline __m512i group_row_f32(__m512i acc, __m512i e_prod, const float* hf, const
   return newacc;
 }
 
-// Rows a and b (b may equal a), groups [g0, g1) of a panel decoded from group pg0; acc_a/acc_b: 16 accumulators.
-inline void row_pair_groups_avx512(const HRows& hr, int64_t a, int64_t b, int64_t pair, const Panel& p, int g0,
-                                   int g1, int pg0, uint32_t* acc_a, uint32_t* acc_b, const uint16_t* H,
-                                   const uint16_t* w, int d, int64_t v0, int lanes) {
+// NP row pairs (pairs q0 .. q0 + NP - 1; the second row of the last pair may repeat the first), groups [g0, g1)
+// of a panel decoded from group pg0; acc: the rows' 16 accumulators each ([row][16]). Several pairs per group
+// give the out-of-order core independent accumulator chains to overlap.
+template <int NP>
+inline void row_pairs_groups_avx512(const HRows& hr, int64_t n, int64_t q0, const Panel& p, int g0, int g1, int pg0,
+                                    uint32_t* acc, const uint16_t* H, const uint16_t* w, int d, int64_t v0,
+                                    int lanes) {
   const int groups = d / KG;
-  __m512i ca = _mm512_loadu_si512(acc_a);
-  __m512i cb = _mm512_loadu_si512(acc_b);
-  const int32_t* ep = hr.ep.data() + size_t(pair) * d;
+  int64_t row[2 * NP];
+  __m512i c[2 * NP];
+  for (int i = 0; i < 2 * NP; ++i) {
+    row[i] = std::min<int64_t>(2 * q0 + i, n - 1);
+    c[i] = _mm512_loadu_si512(acc + row[i] * 16);
+  }
   for (int g = g0; g < g1; ++g) {
     const int32_t* WF = &p.wf[size_t(g - pg0) * KG * 16];
     const int32_t* WE = &p.we[size_t(g - pg0) * KG * 16];
-    const bool za = hr.gz[size_t(a) * groups + g], zb = hr.gz[size_t(b) * groups + g];
-    if (za && zb) continue;                                         // c unchanged in both rows
-    // pass 1, both rows: int16 lanes (row a low, row b high)
-    const int32_t* epg = ep + g * KG;
-    __m512i x = _mm512_add_epi16(_mm512_set1_epi32(epg[0]), _mm512_loadu_si512(WE));
-    for (int k = 1; k < KG; ++k)
-      x = _mm512_max_epi16(x, _mm512_add_epi16(_mm512_set1_epi32(epg[k]), _mm512_loadu_si512(WE + k * 16)));
-    const __m512i ea = _mm512_srai_epi32(_mm512_slli_epi32(x, 16), 16);
-    const __m512i eb = _mm512_srai_epi32(x, 16);
-    if (!za)
-      ca = group_row_f32(ca, ea, hr.hf.data() + size_t(a) * d + g * KG, WF, H + a * d, w, d, v0, lanes, g);
-    if (!zb && b != a)
-      cb = group_row_f32(cb, eb, hr.hf.data() + size_t(b) * d + g * KG, WF, H + b * d, w, d, v0, lanes, g);
+    __m512i e[2 * NP];
+    for (int j = 0; j < NP; ++j) {               // pass 1 of pair j: int16 lanes (first row low, second high)
+      const int32_t* epg = hr.ep.data() + size_t(q0 + j) * d + g * KG;
+      __m512i x = _mm512_add_epi16(_mm512_set1_epi32(epg[0]), _mm512_loadu_si512(WE));
+      for (int k = 1; k < KG; ++k)
+        x = _mm512_max_epi16(x, _mm512_add_epi16(_mm512_set1_epi32(epg[k]), _mm512_loadu_si512(WE + k * 16)));
+      e[2 * j] = _mm512_srai_epi32(_mm512_slli_epi32(x, 16), 16);
+      e[2 * j + 1] = _mm512_srai_epi32(x, 16);
+    }
+    for (int i = 0; i < 2 * NP; ++i) {
+      if (hr.gz[size_t(row[i]) * groups + g] || (i > 0 && row[i] == row[i - 1])) continue;   // c unchanged
+      c[i] = group_row_f32(c[i], e[i], hr.hf.data() + size_t(row[i]) * d + g * KG, WF, H + row[i] * d, w, d, v0,
+                           lanes, g);
+    }
   }
-  _mm512_storeu_si512(acc_a, ca);
-  if (b != a) _mm512_storeu_si512(acc_b, cb);
+  for (int i = 0; i < 2 * NP; ++i)
+    if (i == 0 || row[i] != row[i - 1]) _mm512_storeu_si512(acc + row[i] * 16, c[i]);
 }
 #endif
 
@@ -503,10 +510,9 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
       for (int g0 = 0; g0 < groups; g0 += GC) {
         int g1 = std::min(groups, g0 + GC);
         bad_lanes |= decode_panel_avx512(W, d, v0, lanes, g0, g1, p);
-        for (int64_t q = 0; q < pairs; ++q) {
-          int64_t a = 2 * q, b = std::min(2 * q + 1, n - 1);
-          row_pair_groups_avx512(hr, a, b, q, p, g0, g1, g0, &acc[a * 16], &acc[b * 16], H, W, d, v0, lanes);
-        }
+        int64_t q = 0;
+        for (; q + 2 <= pairs; q += 2) row_pairs_groups_avx512<2>(hr, n, q, p, g0, g1, g0, acc.data(), H, W, d, v0, lanes);
+        if (q < pairs) row_pairs_groups_avx512<1>(hr, n, q, p, g0, g1, g0, acc.data(), H, W, d, v0, lanes);
       }
       for (int64_t r = 0; r < n; ++r)
         std::memcpy(Z + r * ncols + v0, &acc[r * 16], size_t(lanes) * 4);
