@@ -42,8 +42,9 @@ def _peak_extra(fn):
     return peak
 
 
-def smoke():
-    """Every entry and launch configuration once on a small ragged shape (N=70, D=208, V=1000 of 1088 rows)."""
+def smoke(launches=None):
+    """Every entry and launch configuration (or those named) once on a small ragged shape (N=70, D=208, V=1000 of
+    1088 rows)."""
     from fused_logp.kernel.sm90 import LAUNCHES, SM90Backend
 
     be = SM90Backend()
@@ -58,7 +59,8 @@ def smoke():
     tg = torch.randint(0, v, (n,), generator=g, device="cuda")
     t = torch.rand(n, generator=g, device="cuda") + 0.5
     ref = None
-    for var in ("auto", *LAUNCHES):
+    names = list(LAUNCHES) if launches is None else launches
+    for var in ("auto", *names):
         be.launch = var
         out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=True, vocab_size=v)
         if ref is None:
@@ -69,7 +71,7 @@ def smoke():
                         temperature=t, return_logits=True)
     be.stats_from_logits(ref[2], tg, temperature=t, vocab_size=v)
     torch.cuda.synchronize()
-    print("smoke ok:", 1 + len(LAUNCHES), "launch configurations,", tuple(st["tile_max"].shape))
+    print("smoke ok:", 1 + len(names), "launch configurations,", tuple(st["tile_max"].shape))
 
 
 def main():
@@ -80,15 +82,16 @@ def main():
     ap.add_argument("--rep", type=int, default=300, help="do_bench rep (ms)")
     ap.add_argument("--launch", default="auto", help="launch configuration of the 'ours' columns (sm90.LAUNCHES)")
     ap.add_argument("--sweep", default="",
-                    help="extra launch configurations to time, e.g. cta-128x256,pingpong-64x256+mainloop "
+                    help="extra launch configurations to time, e.g. cta-128x256,cta-128x256-fast-x3+mainloop "
                          "(+mainloop: the timing hook, mainloop without statistics)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--smoke", action="store_true",
                     help="one small call per launch configuration and entry, then exit (for compute-sanitizer / ncu)")
+    ap.add_argument("--smoke-launches", default="", help="with --smoke: only these configurations (and auto)")
     args = ap.parse_args()
     if args.smoke:
-        return smoke()
+        return smoke([x for x in args.smoke_launches.split(",") if x] or None)
 
     from fused_logp.kernel.sm90 import SM90Backend
 

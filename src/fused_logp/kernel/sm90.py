@@ -7,6 +7,7 @@ entry raises: there is no fallback here.
 """
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -16,22 +17,20 @@ from ..shared_contract import constants as C
 from .extension_build import build_checked
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_pingpong_64x256.cu", "sm90_cta_128x256.cu",
-            "sm90_cta_64x256.cu", "sm90_cta_64x128.cu", "sm90_backward.cu", "sm90_transforms.cu",
-            "sm90_fingerprint.cu")
+_SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_64x256.cu", "sm90_cta_64x128.cu",
+            "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
 # Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by name, with
 # the id the extension takes (kernel/csrc/sm90_forward.cu). "auto" is one of them, chosen by row count.
-LAUNCHES = {"cta-128x256": 1, "cta-64x256": 2, "cta-64x128": 3, "pingpong-64x256": 4}
+LAUNCHES = {"cta-128x256": 1, "cta-64x256": 2, "cta-64x128": 3}
 MAINLOOP_ONLY = 16   # added to a launch id: the timing hook (mainloop without statistics; benchmarks only)
 
 
 def auto_launch(n_rows: int) -> str:
     """The configuration "auto" runs for a call of n_rows rows (figures in bench/NOTES-sm90.md): 64x256 CTAs while
-    one 64-row tile holds the batch (the weight streams through 594 CTAs), 128x256 CTAs above. The persistent
-    ping-pong kernel was slower than the 128x256 CTA kernel from N = 256 up and level at N = 1 on the H200."""
+    one 64-row tile holds the batch (the weight streams through 594 CTAs), 128x256 CTAs above."""
     return "cta-64x256" if n_rows <= 64 else "cta-128x256"
 
 
@@ -56,7 +55,7 @@ def _build():
             name="fused_logp_sm90",
             sources=[str(_CSRC / s) for s in _SOURCES],
             extra_include_paths=[str(_CSRC)],
-            extra_cuda_cflags=list(CUDA_FLAGS),
+            extra_cuda_cflags=list(CUDA_FLAGS) + (["-Xptxas=-v"] if os.environ.get("FUSED_LOGP_PTXAS_V") else []),
             extra_cflags=["-O3"],
         )
 
@@ -208,3 +207,8 @@ class SM90Backend:
         """(contract_exp(x), contract_log(x), contract_exp_nonpos(x)) from the device functions of
         contract_math.cuh; the last is meaningful for finite x <= 0 only."""
         return tuple(self._module().explog(x.contiguous()))
+
+    def device_exp_fast(self, x):
+        """contract_exp_fast(x) from contract_math.cuh: the tile epilogue's exp where every lane of a warp lies in
+        [FAST_EXP_MIN, 0] = [-87, 0]; meaningful there only."""
+        return self._module().exp_fast(x.contiguous())

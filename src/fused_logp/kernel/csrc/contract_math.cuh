@@ -85,6 +85,28 @@ __device__ __forceinline__ float contract_exp_nonpos(float x) {
   return (x < xmin) ? 0.0f : y;
 }
 
+// contract_exp for -87 <= x <= 0 only: the same operations and bits with the final scaling as one multiply.
+// There the clamp and the select cannot fire, t = x * LOG2E + SHIFTER holds n = round(x * LOG2E) in [-126, 0] as
+// bits(t) - bits(SHIFTER), so 2^n is the normal float with bits (n + 127) << 23 = (bits(t) << 23) + (127 << 23)
+// (bits(SHIFTER) << 23 wraps to 0), and p * 2^n rounds the same exact product once, as p * 2^n1 * 2^n2 does (the
+// first factor exact, the second rounding once). The tile epilogue takes it only when every lane of the warp
+// qualifies (FAST_EXP_MIN below), else contract_exp_nonpos.
+constexpr float FAST_EXP_MIN = -87.0f;   // -87 * LOG2E = -125.5..: n >= -126
+__device__ __forceinline__ float contract_exp_fast(float x) {
+  const float t = __fadd_rn(__fmul_rn(x, bits(EXP_LOG2E)), bits(EXP_SHIFTER));
+  const float k = __fsub_rn(t, bits(EXP_SHIFTER));
+  const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(k, bits(EXP_LN2_HI))), __fmul_rn(k, bits(EXP_LN2_LO)));
+  float p = __fadd_rn(bits(EXP_POLY_C6), __fmul_rn(r, bits(EXP_POLY_C7)));
+  p = __fadd_rn(bits(EXP_POLY_C5), __fmul_rn(r, p));
+  p = __fadd_rn(bits(EXP_POLY_C4), __fmul_rn(r, p));
+  p = __fadd_rn(bits(EXP_POLY_C3), __fmul_rn(r, p));
+  p = __fadd_rn(bits(EXP_POLY_C2), __fmul_rn(r, p));
+  p = __fadd_rn(1.0f, __fmul_rn(r, p));
+  p = __fadd_rn(1.0f, __fmul_rn(r, p));
+  const uint32_t scale = (static_cast<uint32_t>(__float_as_int(t)) << 23) + 0x3F800000u;
+  return __fmul_rn(p, __int_as_float(static_cast<int>(scale)));
+}
+
 // log(x): log(1) = 0 exactly, log(0) = -inf, log(+inf) = +inf, log(x < 0) = log(NaN) = NaN.
 __device__ __forceinline__ float contract_log(float x) {
   const bool sub = (x > 0.0f) && (x < __int_as_float(0x00800000));

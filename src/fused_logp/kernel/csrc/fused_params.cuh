@@ -29,8 +29,7 @@ struct FusedParams {
   float* tile_sum;
   float* target_logit;
   float* logits;      // [N, n_real] or null
-  int logits_pairs;   // logits may be written as 8-byte pairs (n_real even, 8-byte aligned start)
-  int paired;         // ping-pong kernel: a CTA takes tiles in pairs (the two 64-row halves of a 128-row block)
+  int logits_vec4;    // logits may be written as 16-byte quads (n_real % 4 == 0, 16-byte aligned start)
   int skip_epilogue;  // timing hook only (bench): mainloop without statistics
   // Backward (dz_epilogue.cuh): instead of statistics, the logit gradient of every element
   // dz = (coef * exp(z' - lse) + g_logp [column == target]) / T, rounded to bf16, stored through a TMA map.
@@ -54,24 +53,6 @@ __device__ __forceinline__ void tile_coords(int tile, int num_m, int num_n, int&
 __device__ __forceinline__ int thread_row_base(int row0) {
   const int tid = threadIdx.x % 128;
   return row0 + 16 * (tid / 32) + (tid % 32) / 4;
-}
-
-// Per-row inputs of this thread's two rows (row_base, row_base + 8), loaded once per tile.
-struct RowInfo {
-  float T[2];
-  long long tcol[2];   // target column relative to the shard start; -1 for rows beyond N
-};
-
-__device__ __forceinline__ RowInfo load_rows(const FusedParams& p, int row_base) {
-  RowInfo r;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_base + 8 * h;
-    const bool ok = row < p.n_rows;
-    r.T[h] = ok ? p.temperature[row] : 1.0f;
-    r.tcol[h] = ok ? static_cast<long long>(p.targets[row]) - p.vocab_start : -1;
-  }
-  return r;
 }
 
 }  // namespace sm90

@@ -1,5 +1,5 @@
 // Host side of the fused kernels: TMA tensor maps, the checks the forward and backward entries share, and the
-// launch of each schedule (instantiated one per translation unit, sm90_cta_*.cu and sm90_pingpong_64x256.cu, so
+// launch of each configuration (instantiated one per translation unit, sm90_cta_*.cu, so
 // that the build compiles them in parallel).
 #pragma once
 #include <torch/extension.h>
@@ -97,35 +97,13 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
   TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");
+  q.logits_vec4 = p.logits != nullptr && p.n_real % 4 == 0 && reinterpret_cast<uintptr_t>(p.logits) % 16 == 0;
   kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, mh /*map_o: dz kernels only*/, q);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// Forward statistics with the persistent ping-pong kernel (64 x 256 tiles, one CTA per SM at most).
-template <int WGN>
-void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
-                     cudaStream_t stream) {
-  using C = PPCfg;
-  static_assert(WGN == C::WGN, "one ping-pong tile shape");
-  FusedParams q = p;
-  q.num_m = (p.n_rows + C::BM - 1) / C::BM;
-  q.num_n = (p.n_real + C::BN - 1) / C::BN;
-  q.paired = q.num_m > 1 ? 1 : 0;
-  const CUtensorMap mh = make_map(hidden, C::BM);
-  const CUtensorMap mw = make_map(weight, C::BN);
-  auto kern = (p.d % kBK == 0) ? fused_pingpong_kernel<true> : fused_pingpong_kernel<false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-  const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
-  TORCH_CHECK(tiles < (1LL << 30), "sm90: too many tiles");
-  const long long units = q.paired ? (tiles + 1) / 2 : tiles;
-  const int grid = static_cast<int>(std::min<long long>(units, sm_count()));
-  kern<<<grid, kThreads, C::SMEM, stream>>>(mh, mw, q);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
-extern template void launch_pingpong<256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 
 }  // namespace sm90

@@ -132,7 +132,7 @@ static void check_f32_2d(const torch::Tensor& t, const char* name, long long row
 
 // Tile statistics of a weight (shard) whose row 0 is vocabulary id vocab_start; n_real real columns.
 // launch (kernel/sm90.py LAUNCHES, where "auto" is resolved by row count): 1 = CTA 128x256, 2 = CTA 64x256,
-// 3 = CTA 64x128, 4 = persistent ping-pong 64x256; + 16 = timing hook (mainloop only, statistics not computed).
+// 3 = CTA 64x128; + 16 = timing hook (mainloop only, statistics not computed).
 void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targets, torch::Tensor temperature,
                  c10::optional<torch::Tensor> bias, int64_t vocab_start, int64_t n_real, torch::Tensor tile_max,
                  torch::Tensor tile_sum, torch::Tensor target_logit, c10::optional<torch::Tensor> logits,
@@ -155,7 +155,6 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
   if (logits.has_value()) {
     check_f32_2d(*logits, "logits", n, n_real);
     p.logits = logits->data_ptr<float>();
-    p.logits_pairs = (n_real % 2 == 0) && (reinterpret_cast<uintptr_t>(p.logits) % 8 == 0);
   }
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(hidden.device());
@@ -164,7 +163,6 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
     case 1: launch_cta<2, 256>(hidden, weight, p, stream); break;
     case 2: launch_cta<1, 128>(hidden, weight, p, stream); break;
     case 3: launch_cta<1, 64>(hidden, weight, p, stream); break;
-    case 4: launch_pingpong<256>(hidden, weight, p, stream); break;
     default: TORCH_CHECK(false, "sm90: unknown launch ", launch);
   }
 }
@@ -247,6 +245,26 @@ std::vector<torch::Tensor> explog(torch::Tensor x) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {e, l, en};
+}
+
+// Test hook: the epilogue's one-multiply exp (contract_exp_fast) over a float32 tensor; meaningful for
+// FAST_EXP_MIN <= x <= 0 only.
+static __global__ void exp_fast_kernel(const float* x, float* e, long long n) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) e[i] = contract::contract_exp_fast(x[i]);
+}
+
+torch::Tensor exp_fast(torch::Tensor x) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "sm90: exp_fast input");
+  auto e = torch::empty_like(x);
+  const long long n = x.numel();
+  if (n > 0) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    exp_fast_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.data_ptr<float>(), e.data_ptr<float>(), n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return e;
 }
 
 }  // namespace sm90

@@ -1,144 +1,241 @@
-// The forward's epilogue: contract v1 tile statistics (sections 3-4 of CONTRACT.md) of a 64 x WGN warpgroup tile,
-// read from a shared-memory copy of the wgmma accumulators, plus the target logit and the optional logits.
+// The forward's epilogue: contract v1 tile statistics (sections 3-4 of CONTRACT.md) of the CTA's tiles, read from a
+// shared-memory copy of the wgmma accumulators, plus the target logit and the optional logits.
 #pragma once
 #include "fused_params.cuh"
+#include "ptx.cuh"
 
 namespace sm90 {
 
 // ---------------------------------------------------------------------------------------------------------
-// Tile statistics of one row's 64-lane tile, held as in the wgmma accumulator layout: this thread has lanes
-// 8j + 2q + e (j = 0..7, e = 0..1, q = lane % 4); the quad (xor 1, 2) holds the whole tile row.
+// The epilogue as work items shared by the consumer warps: an item is (consumer warpgroup c, its warp w,
+// vocabulary tile vt), 16 rows x 64 columns of c's staged tile, taken by any warp once all staging is written.
 // ---------------------------------------------------------------------------------------------------------
-struct TileOut {
-  float m, s;
-};
 
-__device__ __forceinline__ TileOut quad_tile_stats(const float (&zs)[16], uint32_t real_mask) {
-  float m = __int_as_float(0xFF800000);
-  int bad = 0;
+// Per-row inputs of an item's two rows (row, row + 8).
+__device__ __forceinline__ void item_rows(const FusedParams& p, int row, float (&T)[2], long long (&tcol)[2]) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    if (real_mask & (1u << i)) {
-      m = fmaxf(m, zs[i]);
-      bad |= !isfinite(zs[i]);
-    }
+  for (int h = 0; h < 2; ++h) {
+    const int r = row + 8 * h;
+    const bool ok = r < p.n_rows;
+    T[h] = ok ? p.temperature[r] : 1.0f;
+    tcol[h] = ok ? static_cast<long long>(p.targets[r]) - p.vocab_start : -1;
   }
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-  bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
-  bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
-  if (bad) m = __int_as_float(0x7FFFFFFF);
-  float l3[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    // real lanes: z' - m_t is finite and <= 0 unless the tile is bad (then s_t is NaN below)
-    const float e0 = (real_mask & (1u << (2 * j))) ? contract::contract_exp_nonpos(__fsub_rn(zs[2 * j], m)) : 0.0f;
-    const float e1 =
-        (real_mask & (1u << (2 * j + 1))) ? contract::contract_exp_nonpos(__fsub_rn(zs[2 * j + 1], m)) : 0.0f;
-    float a = __fadd_rn(e0, e1);                                   // level 1: lanes (2q, 2q+1)
-    a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 1));          // level 2
-    a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 2));          // level 3: the 8-lane group j
-    l3[j] = a;
-  }
-  const float l4a = __fadd_rn(l3[0], l3[1]), l4b = __fadd_rn(l3[2], l3[3]);
-  const float l4c = __fadd_rn(l3[4], l3[5]), l4d = __fadd_rn(l3[6], l3[7]);
-  float s = __fadd_rn(__fadd_rn(l4a, l4b), __fadd_rn(l4c, l4d));   // levels 4, 5, 6
-  if (bad) s = m;                                                       // NaN, as exp(NaN) lanes would give
-  return {m, s};
 }
 
-// One (row, 64-column tile) unit of the epilogue. zs[2j + e] holds this thread's accumulator for column
-// tile_col + 8j + 2q + e of the row (q = lane % 4); the quad holds the whole tile row.
-__device__ __forceinline__ void tile_unit(float (&zs)[16], const FusedParams& p, int row, int tile_col, int q,
-                                          float T, long long tcol) {
-  const bool row_ok = row < p.n_rows;
-  uint32_t real = 0;
+// ---------------------------------------------------------------------------------------------------------
+// The staged copy is swizzled so that the reading quad's thread q holds lanes
+// [16q, 16q + 16) of its two rows: the tree's levels 1-4 are thread-local (15 adds, no shuffles), levels 5 and 6
+// are one xor-shuffle each. Float4 j of accumulator thread tid is at st_c[j * 128 + (tid ^ ((j >> 1) & 3))]:
+// conflict-free 16-byte stores (the xor permutes within each quad) and loads (see load_item).
+// ---------------------------------------------------------------------------------------------------------
+template <int WGN>
+__device__ __forceinline__ void stage_acc_swz(uint32_t st_c, const float (&acc)[WGN / 2]) {
+  const int tid = threadIdx.x % 128;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < WGN / 8; ++j)
+    st_shared_v4(st_c + 16u * (j * 128 + (tid ^ ((j >> 1) & 3))),
+                 make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
+}
+
+// Thread (g = lane / 4, q = lane % 4) of the item's warp takes float4 jj of source thread 32w + 4g + s, for the
+// 8-column groups j = 8vt + 2q + jj (jj = 0, 1) and s = 0..3: the source wrote lanes 8j + 2s + {0, 1} of rows g
+// (x, y) and g + 8 (z, w), i.e. tile lanes 16q + 8jj + 2s + e. Load (jj, s) of the 8 threads of a quarter warp
+// hits float4 slots 4 (g % 2) + (s ^ q): 8 distinct, no bank conflict.
+__device__ __forceinline__ void load_item(float4 (&v)[8], uint32_t st_c, int w, int vt) {
+  const int lane = threadIdx.x % 32;
+  const int q = lane % 4;
+  const uint32_t b = st_c + 16u * ((8 * vt + 2 * q) * 128 + 32 * w + 4 * (lane / 4));
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = tile_col + 8 * j + 2 * q + e;
-      const bool ok = col < p.n_real;
-      if (ok) real |= 1u << (2 * j + e);
-      if (p.bias != nullptr && ok) zs[2 * j + e] = __fadd_rn(zs[2 * j + e], p.bias[col]);
+  for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+    for (int s = 0; s < 4; ++s) v[4 * jj + s] = ld_shared_v4(b + 16u * (jj * 128 + (s ^ q)));
+}
+
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// Lanes 16q + i (i = 0..15) of one row: the thread-local levels 1-4 of the tree, then levels 5 and 6 across the quad.
+__device__ __forceinline__ float tree16(const float (&e)[16]) {
+  float a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = __fadd_rn(e[2 * i], e[2 * i + 1]);               // level 1
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = __fadd_rn(a[2 * i], a[2 * i + 1]);               // level 2
+#pragma unroll
+  for (int i = 0; i < 2; ++i) a[i] = __fadd_rn(a[2 * i], a[2 * i + 1]);               // level 3
+  float s = __fadd_rn(a[0], a[1]);                                                     // level 4: [16q, +16)
+  s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));                                // level 5: [32(q/2), +32)
+  s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));                                // level 6
+  return s;
+}
+
+// One item: z[h][i] is column tile_col + 16q + i of row row + 8h. Every thread of the warp calls it (the vote
+// below). The exp: contract_exp_fast where every lane of the warp qualifies (all 64 columns real, no non-finite
+// lane, z' - m_t >= FAST_EXP_MIN), else contract_exp_nonpos on the real lanes; both give the contract's bits.
+__device__ __forceinline__ void item_stats(const float4 (&v)[8], const FusedParams& p, int row, int tile_col) {
+  const int q = threadIdx.x % 4;
+  const int c0 = tile_col + 16 * q;
+  const bool full = tile_col + kTile <= p.n_real;   // warp-uniform
+  float z[2][16];
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      z[0][8 * jj + 2 * s] = v[4 * jj + s].x;
+      z[0][8 * jj + 2 * s + 1] = v[4 * jj + s].y;
+      z[1][8 * jj + 2 * s] = v[4 * jj + s].z;
+      z[1][8 * jj + 2 * s + 1] = v[4 * jj + s].w;
     }
-  }
-  if (p.logits != nullptr && row_ok) {
-    // unscaled logits, streamed past L2 (written once, never read here): 8-byte pairs where aligned
-    float* lr = p.logits + static_cast<long long>(row) * p.n_real;
+  float T[2];
+  long long tcol[2];
+  item_rows(p, row, T, tcol);
+  if (p.bias != nullptr) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = tile_col + 8 * j + 2 * q;
-      if (p.logits_pairs && col + 1 < p.n_real) {
-        __stcs(reinterpret_cast<float2*>(lr + col), make_float2(zs[2 * j], zs[2 * j + 1]));
-      } else {
-        if (col < p.n_real) __stcs(lr + col, zs[2 * j]);
-        if (col + 1 < p.n_real) __stcs(lr + col + 1, zs[2 * j + 1]);
+    for (int i = 0; i < 16; ++i) {
+      if (c0 + i < p.n_real) {
+        const float b = p.bias[c0 + i];
+        z[0][i] = __fadd_rn(z[0][i], b);
+        z[1][i] = __fadd_rn(z[1][i], b);
       }
     }
   }
-  if (T != 1.0f) {                     // z / 1 == z exactly: the division is skipped only where it is exact
+  if (p.logits != nullptr) {
+    // unscaled logits, streamed past L2: 64 contiguous bytes a row, as four 16-byte stores where aligned
 #pragma unroll
-    for (int i = 0; i < 16; ++i) zs[i] = __fdiv_rn(zs[i], T);
-  }
-  const TileOut st = quad_tile_stats(zs, real);
-  if (!row_ok) return;
-  const long long tl = tcol - tile_col;
-  if (tl >= 0 && tl < kTile && tl < p.n_real - tile_col && ((tl >> 1) & 3) == q) {
-    float v = zs[0];
+    for (int h = 0; h < 2; ++h) {
+      if (row + 8 * h >= p.n_rows) continue;
+      float* lr = p.logits + static_cast<long long>(row + 8 * h) * p.n_real + c0;
+      if (full && p.logits_vec4) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
-      if ((i >> 1) == (tl >> 3) && (i & 1) == (tl & 1)) v = zs[i];
-    p.target_logit[row] = v;
-  }
-  if (q == 0) {
-    const long long o = static_cast<long long>(row) * p.nt + tile_col / kTile;
-    p.tile_max[o] = st.m;
-    p.tile_sum[o] = st.s;
-  }
-}
-
-// The staged copy of a warpgroup's accumulators: thread tid owns the float4 column st[j * 128 + tid],
-// j = 0 .. WGN/8 - 1, holding acc[4j .. 4j + 3] (rows h = 0 and 1 of 8-column group j). Each thread reads back
-// only what it wrote, and a warp's 16-byte accesses are consecutive (no bank conflicts).
-template <int WGN>
-__device__ __forceinline__ void stage_acc(float4* st, const float (&acc)[WGN / 2]) {
+        for (int i = 0; i < 4; ++i)
+          __stcs(reinterpret_cast<float4*>(lr) + i, make_float4(z[h][4 * i], z[h][4 * i + 1], z[h][4 * i + 2],
+                                                                z[h][4 * i + 3]));
+      } else {
 #pragma unroll
-  for (int j = 0; j < WGN / 8; ++j) st[j * 128] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
-}
-
-// Epilogue of one warpgroup tile, rows [row0, +64) and columns [col0, +WGN) of the (shard-local) logits, from the
-// staged copy (st = this thread's column). A run-time loop over the WGN/64 vocabulary tiles keeps the code small
-// (fully unrolled epilogues of 64 x 256 tiles from registers ran far slower); the next tile's values are loaded
-// before this tile's arithmetic. A warp whose 16 rows all lie beyond N has nothing to write and returns.
-template <int WGN>
-__device__ __forceinline__ void wg_stats_epilogue(const float4* st, const FusedParams& p, int row0, int col0,
-                                                  const RowInfo& ri) {
-  if (row0 + 16 * ((threadIdx.x % 128) / 32) >= p.n_rows) return;
-  constexpr int NV = WGN / kTile;
-  const int q = threadIdx.x % 4;
-  const int row_base = thread_row_base(row0);
-  float4 cur[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) cur[j] = st[j * 128];
-#pragma unroll 1
-  for (int vt = 0; vt < NV; ++vt) {
-    const int tile_col = col0 + vt * kTile;
-    if (tile_col >= p.n_real) break;            // whole tile beyond the real columns: no statistic
-    const int vn = min(vt + 1, NV - 1);
-    float4 nxt[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) nxt[j] = st[(vn * 8 + j) * 128];
-    float z0[16], z1[16];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      z0[2 * j] = cur[j].x;
-      z0[2 * j + 1] = cur[j].y;
-      z1[2 * j] = cur[j].z;
-      z1[2 * j + 1] = cur[j].w;
+        for (int i = 0; i < 16; ++i)
+          if (c0 + i < p.n_real) __stcs(lr + i, z[h][i]);
+      }
     }
-    tile_unit(z0, p, row_base, tile_col, q, ri.T[0], ri.tcol[0]);
-    tile_unit(z1, p, row_base + 8, tile_col, q, ri.T[1], ri.tcol[1]);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (T[h] != 1.0f) {                 // z / 1 == z exactly: the division is skipped only where it is exact
+#pragma unroll
+      for (int i = 0; i < 16; ++i) z[h][i] = __fdiv_rn(z[h][i], T[h]);
+    }
+  }
+  // m_t (max over real lanes; NaN if any real lane is non-finite) and this thread's lowest real lane.
+  float m[2], lo[2];
+  bool bad[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = __int_as_float(0xFF800000), mn = __int_as_float(0x7F800000);
+    if (full) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        mx = max_nan(mx, z[h][i]);     // NaN-propagating: a NaN lane makes mx NaN
+        mn = fminf(mn, z[h][i]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if (c0 + i < p.n_real) {
+          mx = max_nan(mx, z[h][i]);
+          mn = fminf(mn, z[h][i]);
+        }
+      }
+    }
+    lo[h] = mn;
+    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, 1));
+    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, 2));
+    // a real lane is NaN or +-inf exactly when the row's max is NaN or +-inf or its min is -inf
+    bad[h] = !(fabsf(mx) < __int_as_float(0x7F800000)) || mn == __int_as_float(0xFF800000);
+    m[h] = bad[h] ? __int_as_float(0x7FFFFFFF) : mx;
+  }
+  const bool ok = full && !bad[0] && !bad[1] && __fsub_rn(lo[0], m[0]) >= contract::FAST_EXP_MIN &&
+                  __fsub_rn(lo[1], m[1]) >= contract::FAST_EXP_MIN;
+  float s[2];
+  if (__all_sync(0xffffffffu, ok)) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float e[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) e[i] = contract::contract_exp_fast(__fsub_rn(z[h][i], m[h]));
+      s[h] = tree16(e);
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float e[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        e[i] = (c0 + i < p.n_real) ? contract::contract_exp_nonpos(__fsub_rn(z[h][i], m[h])) : 0.0f;
+      s[h] = tree16(e);
+      if (bad[h]) s[h] = m[h];          // NaN, as exp(NaN) lanes would give
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row + 8 * h;
+    if (r >= p.n_rows) continue;
+    const long long tl = tcol[h] - tile_col;
+    if (tl >= 0 && tl < kTile && tl < p.n_real - tile_col && (tl >> 4) == q) {
+      float t = z[h][0];
+#pragma unroll
+      for (int i = 1; i < 16; ++i)
+        if (i == (tl & 15)) t = z[h][i];
+      p.target_logit[r] = t;
+    }
+    if (q == 0) {
+      const long long o = static_cast<long long>(r) * p.nt + tile_col / kTile;
+      p.tile_max[o] = m[h];
+      p.tile_sum[o] = s[h];
+    }
+  }
+}
+
+// The epilogue of a CTA's staged consumer tiles as items: NI = kConsumers * 4 * (WGN / 64) items, item k taken by
+// warp k % NW (warp index gw among the NW epilogue warps), the next item's values loaded before this item's
+// arithmetic. Consumer c's tile: rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte
+// st + c * WGN * 256 of the shared window.
+template <int WM, int WGN, int NW>
+__device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParams& p, int row0, int col0, int gw) {
+  constexpr int NV = WGN / kTile;
+  constexpr int NI = kConsumers * 4 * NV;
+  const int lane = threadIdx.x % 32;
+  auto coords = [&](int k, int& c, int& w, int& vt) {
+    c = k / (4 * NV);
+    w = (k / NV) % 4;
+    vt = k % NV;
+  };
+  int k = gw;
+  if (k >= NI) return;
+  float4 cur[8];
+  {
+    int c, w, vt;
+    coords(k, c, w, vt);
+    load_item(cur, st + 16u * (c * (WGN * 16)), w, vt);
+  }
+#pragma unroll 1
+  for (; k < NI; k += NW) {
+    int c, w, vt;
+    coords(k, c, w, vt);
+    float4 nxt[8];
+    const int kn = k + NW < NI ? k + NW : k;
+    {
+      int cn, wn, vtn;
+      coords(kn, cn, wn, vtn);
+      load_item(nxt, st + 16u * (cn * (WGN * 16)), wn, vtn);
+    }
+    const int rbase = row0 + 64 * (c % WM) + 16 * w;
+    const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
+    if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
+      item_stats(cur, p, rbase + lane / 4, tile_col);
 #pragma unroll
     for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
   }
