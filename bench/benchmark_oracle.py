@@ -42,6 +42,23 @@ def _time(fn, reps):
     return statistics.median(walls), statistics.median(cpus)
 
 
+def _time_interleaved(fn_a, reps_a, fn_b, reps_b, rounds):
+    """Both functions timed in alternating blocks (reps_a calls of fn_a, then reps_b of fn_b, `rounds` times):
+    on a shared machine the load drifts, and both sides of a ratio should see the same drift. Medians over all
+    calls of each."""
+    fn_a()
+    fn_b()
+    out = {"a": ([], []), "b": ([], [])}
+    for _ in range(rounds):
+        for key, fn, reps in (("a", fn_a, reps_a), ("b", fn_b, reps_b)):
+            for _ in range(reps):
+                c0, t0 = time.process_time(), time.perf_counter()
+                fn()
+                out[key][0].append(time.perf_counter() - t0)
+                out[key][1].append(time.process_time() - c0)
+    return tuple((statistics.median(w), statistics.median(c)) for w, c in (out["a"], out["b"]))
+
+
 def _same(a, b):
     return torch.equal(a.logp.view(torch.int32), b.logp.view(torch.int32)) and \
         torch.equal(a.lse.view(torch.int32), b.lse.view(torch.int32))
@@ -53,6 +70,8 @@ def main():
     p.add_argument("--log", default=None, help="also write the printed table here")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--reps-small", type=int, default=21, help="repetitions of the fast oracle's ms-long calls")
+    p.add_argument("--rounds", type=int, default=15, help="alternating blocks (one numpy call, --reps-small fast "
+                   "calls) at the embedded default")
     p.add_argument("--numpy-qwen-cols", type=int, default=9728, help="columns the numpy oracle computes at Qwen3-8B")
     p.add_argument("--qwen-rows", default="1,8,64", help="rows per call for the fast oracle at Qwen3-8B")
     p.add_argument("--skip-qwen", action="store_true")
@@ -95,11 +114,13 @@ def main():
     ref = linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle")
     got = linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle-fast")
     equal_default = _same(ref, got)
-    a = record("embedded default N=12 D=256 V=4000", "oracle",
-               n, *_time(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle"), args.reps))
-    b = record("embedded default N=12 D=256 V=4000", "oracle-fast",
-               n, *_time(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle-fast"),
-                     args.reps_small))
+    ta, tb = _time_interleaved(lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle"), 1,
+                               lambda: linear_logp(h, w, t, temperature=0.7, vocab_size=v, backend="oracle-fast"),
+                               args.reps_small, args.rounds)
+    a = record("embedded default N=12 D=256 V=4000", "oracle", n, *ta,
+               f"median of {args.rounds} calls, interleaved with the fast one's")
+    b = record("embedded default N=12 D=256 V=4000", "oracle-fast", n, *tb,
+               f"median of {args.rounds} x {args.reps_small} calls")
     ratios = {"embedded default": b["rows_per_s"] / a["rows_per_s"]}
     audits = {}
 

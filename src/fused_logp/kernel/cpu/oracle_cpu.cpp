@@ -375,8 +375,8 @@ inline __m512i group_row_f32(__m512i acc, __m512i e_prod, const float* hf, const
   // signed overflow of sum + tc: both operands' signs differ from the result's
   bad |= _mm512_movepi32_mask(_mm512_ternarylogic_epi32(sum, tc, total, 0x42 /* (~a & ~b & c) | (a & b & ~c) */));
   const __m512 t24 = _mm512_cvt_roundepi32_ps(total, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-  // 2^(emax - 25): exponent field emax + 102
-  const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(102 + EMAX_LO)), 23));
+  // 2^(emax - 25): exponent field emax + 102 = 190 - (88 - emax), from the scale's bits with one subtraction
+  const __m512 up = _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_set1_epi32(190 << 23), _mm512_castps_si512(scale)));
   __m512i newacc = _mm512_castps_si512(_mm512_mul_ps(t24, up));
   if (__builtin_expect(bad != 0, 0)) {
     alignas(64) uint32_t old_c[16], new_c[16];
