@@ -447,6 +447,9 @@ def test_equals_numpy_oracle_on_fresh_edge_inputs(case, path):
     bad = _logit_mismatches(b.logits, a.logits)
     assert not bad.any(), f"{case} seed {seed}: {int(bad.sum())} logits differ"
     assert same_bytes(b.logp, a.logp) and same_bytes(b.lse, a.lse), f"{case} seed {seed}"
+    # without logits and without a bias: one extension call, the statistics taken inside the GEMM's threads
+    c = linear_logp(h, w, t, temperature=temps, backend="oracle-fast")
+    assert same_bytes(c.logp, a.logp) and same_bytes(c.lse, a.lse), f"{case} seed {seed} (fused call)"
 
 
 def test_rule_points_equal_h200(path):

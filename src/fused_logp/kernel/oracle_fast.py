@@ -184,10 +184,15 @@ class OracleFastBackend:
                     return_logits):
         dev = hidden.device
         n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
-        z = self.logits(hidden, weight_shard, n_real, bias)
         temp = _cpu(temperature).to(torch.float32).contiguous()
         tgt = _cpu(targets).to(torch.int64) - vocab_start
-        tmax, tsum, tlogit, owned = self._stats(z, temp, n_real, tgt)
+        if bias is None and n_real > 0:                 # one pass: logits and their statistics
+            z, tmax, tsum, tlogit, owned = extension().shard_stats_fused(
+                _cpu(hidden).contiguous(), _cpu(weight_shard).contiguous(), int(n_real), temp, tgt.contiguous(),
+                bool(self.force_scalar))
+        else:
+            z = self.logits(hidden, weight_shard, n_real, bias)
+            tmax, tsum, tlogit, owned = self._stats(z, temp, n_real, tgt)
         return {
             "tile_max": tmax.to(dev),
             "tile_sum": tsum.to(dev),

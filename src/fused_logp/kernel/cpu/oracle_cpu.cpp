@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -458,8 +459,23 @@ torch::Tensor check_bf16(const torch::Tensor& t, const char* name) {
   return t.contiguous();
 }
 
+inline void tile_one(const float* zr, float tr, int real, float* m_out, float* s_out);
+
+// Tile statistics of rows [0, n) and tiles [t0, t1) of logits Z [n, ncols] (section 4), into M, S [n, nt].
+void tiles_of(const float* Z, int64_t n, int64_t ncols, const float* T, int64_t t0, int64_t t1, float* M, float* S) {
+  const int64_t nt = (ncols + TILE - 1) / TILE;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t t = t0; t < t1; ++t)
+      tile_one(Z + r * ncols + t * TILE, T[r], int(std::min<int64_t>(TILE, ncols - t * TILE)), M + r * nt + t,
+               S + r * nt + t);
+}
+
 // z[n, v] for v < ncols: hidden [N, D] bf16, weight [>= ncols, D] bf16 -> [N, ncols] fp32 (the bits of c).
-torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t ncols, bool force_scalar) {
+// With temperature T [N] (else nullptr), also the tile statistics of z (section 4) into M, S [N, ceil(ncols/64)]:
+// computed by the thread that computed the tile's logits, right after them (whole tiles per work chunk), or
+// afterwards where the scalar rule replaced logits.
+torch::Tensor hopper_logits_impl(torch::Tensor hidden, torch::Tensor weight, int64_t ncols, bool force_scalar,
+                                 const float* T, float* M, float* S) {
   hidden = check_bf16(hidden, "hidden");
   weight = check_bf16(weight, "weight");
   const int64_t n = hidden.size(0);
@@ -474,6 +490,13 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
   uint32_t* Z = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
   const int groups = d / KG;
 
+  const int64_t nt = (ncols + TILE - 1) / TILE;
+  auto stats_after = [&]() {
+    if (T != nullptr)
+      at::parallel_for(0, nt, std::max<int64_t>(1, 256 / n), [&](int64_t b, int64_t e) {
+        tiles_of(reinterpret_cast<const float*>(Z), n, ncols, T, b, e, M, S);
+      });
+  };
   bool vector_path = FL_HAVE_AVX512 && !force_scalar;
   if (!vector_path) {
     at::parallel_for(0, n * ncols, 64, [&](int64_t b, int64_t e) {
@@ -482,6 +505,7 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
         Z[i] = dot_scalar(H + r * d, W + c * int64_t(d), groups);
       }
     });
+    stats_after();
     return out;
   }
 #if FL_HAVE_AVX512
@@ -494,14 +518,22 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
   // (2 arrays * 16 * 16 * 4 B = 2 KiB a group).
   const int GC = 8;
   std::vector<uint8_t> wbad(ncols, 0);
-  // At least ~2M multiply-adds per thread's share: a small call (a serving step) runs on one thread instead of
+  // Work chunks of whole tiles (4 panels) and ~2^18 multiply-adds, taken by the threads from a shared counter
+  // (a thread that starts late takes fewer). A call below 2^18 multiply-adds runs on one thread instead of
   // paying a fork and a barrier for work shorter than they are.
   const int64_t panel_macs = std::max<int64_t>(1, n * 16 * int64_t(d));
-  const int64_t panel_grain = std::max<int64_t>(1, (int64_t(1) << 21) / panel_macs);
-  at::parallel_for(0, panels, panel_grain, [&](int64_t pb, int64_t pe) {
+  const int64_t chunk = 4 * std::max<int64_t>(1, (int64_t(1) << 18) / (4 * panel_macs));
+  const int64_t nchunks = (panels + chunk - 1) / chunk;
+  const int64_t workers = n * int64_t(ncols) * d < (int64_t(1) << 18) ? 1 : std::min<int64_t>(at::get_num_threads(), nchunks);
+  std::atomic<int64_t> next{0};
+  const bool stats_inside = T != nullptr && !std::any_of(hr.scalar.begin(), hr.scalar.end(), [](uint8_t x) { return x; });
+  std::atomic<bool> any_bad_column{false};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Panel p;
     p.resize(GC);
     std::vector<uint32_t> acc(size_t(n) * 16);
+    for (int64_t ch = next.fetch_add(1); ch < nchunks; ch = next.fetch_add(1)) {
+    const int64_t pb = ch * chunk, pe = std::min(panels, pb + chunk);
     for (int64_t pi = pb; pi < pe; ++pi) {
       int64_t v0 = pi * 16;
       int lanes = int(std::min<int64_t>(16, ncols - v0));
@@ -517,6 +549,9 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
       for (int64_t r = 0; r < n; ++r)
         std::memcpy(Z + r * ncols + v0, &acc[r * 16], size_t(lanes) * 4);
       for (int l = 0; l < lanes; ++l) wbad[v0 + l] = (bad_lanes >> l) & 1;
+      if (bad_lanes) any_bad_column = true;
+    }
+    if (stats_inside) tiles_of(reinterpret_cast<const float*>(Z), n, ncols, T, pb / 4, (pe + 3) / 4, M, S);
     }
   });
   // rows with a value the vector path does not hold (|h| >= 2^64, inf, NaN) and columns with a non-finite value:
@@ -540,8 +575,13 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
       }
     });
   }
+  if (T != nullptr && (!stats_inside || any_bad_column)) stats_after();
 #endif
   return out;
+}
+
+torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t ncols, bool force_scalar) {
+  return hopper_logits_impl(hidden, weight, ncols, force_scalar, nullptr, nullptr, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -738,14 +778,12 @@ std::vector<torch::Tensor> merge(torch::Tensor tile_max, torch::Tensor tile_sum,
   return {logp, lse};
 }
 
-// Tile statistics and target logits of logits z [N, >= n_real] (rows contiguous), temperature [N] fp32, targets
-// [N] or [N, C] int64 relative to column 0 -> (tile_max, tile_sum, target_logit like targets, owned like
-// targets): z'_target = div(z[r, t], T[r]) where 0 <= t < n_real, else -inf (not owned).
-std::vector<torch::Tensor> stats_targets(torch::Tensor z, torch::Tensor temperature, int64_t n_real,
-                                         torch::Tensor targets) {
-  auto st = tile_stats(z, temperature, n_real);
+// The targets' scaled logits: z'_target = div(z[r, t], T[r]) where 0 <= t < n_real, else -inf (not owned).
+// z [N, >= n_real] fp32 (rows contiguous), temperature [N] fp32, targets [N] or [N, C] int64 relative to column 0
+// -> (target_logit, owned), both shaped like targets.
+std::vector<torch::Tensor> targets_of(const torch::Tensor& z, const torch::Tensor& temperature, int64_t n_real,
+                                      torch::Tensor targets) {
   targets = targets.contiguous();
-  temperature = temperature.contiguous();
   TORCH_CHECK(targets.scalar_type() == torch::kInt64 && targets.dim() >= 1 && targets.dim() <= 2 &&
               targets.size(0) == z.size(0), "targets must be int64 [N] or [N, C]");
   const int64_t n = z.size(0), ld = z.stride(0), cols = targets.dim() == 2 ? targets.size(1) : 1;
@@ -763,33 +801,46 @@ std::vector<torch::Tensor> stats_targets(torch::Tensor z, torch::Tensor temperat
       O[r * cols + c] = own;
       L[r * cols + c] = own ? Z[r * ld + t] / T[r] : -F_INF;
     }
-  return {st[0], st[1], tl, owned};
+  return {tl, owned};
+}
+
+// Tile statistics and target logits of logits z [N, >= n_real] (rows contiguous) -> (tile_max, tile_sum,
+// target_logit, owned).
+std::vector<torch::Tensor> stats_targets(torch::Tensor z, torch::Tensor temperature, int64_t n_real,
+                                         torch::Tensor targets) {
+  temperature = temperature.contiguous();
+  auto st = tile_stats(z, temperature, n_real);
+  auto to = targets_of(z, temperature, n_real, targets);
+  return {st[0], st[1], to[0], to[1]};
+}
+
+// The logits of a shard and their statistics in one pass: hidden [N, D] bf16, weight [>= n_real, D] bf16,
+// temperature [N] fp32, targets [N] or [N, C] int64 relative to the shard's column 0 -> (logits [N, n_real],
+// tile_max, tile_sum [N, ceil(n_real / 64)], target_logit, owned). The same functions as hopper_logits followed
+// by stats_targets.
+std::vector<torch::Tensor> shard_stats_fused(torch::Tensor hidden, torch::Tensor weight, int64_t n_real,
+                                             torch::Tensor temperature, torch::Tensor targets, bool force_scalar) {
+  temperature = temperature.contiguous();
+  TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && temperature.numel() == hidden.size(0),
+              "temperature must be fp32 [N]");
+  const int64_t n = hidden.size(0), nt = (n_real + TILE - 1) / TILE;
+  auto tmax = torch::empty({n, nt}, torch::dtype(torch::kFloat32));
+  auto tsum = torch::empty({n, nt}, torch::dtype(torch::kFloat32));
+  auto z = hopper_logits_impl(hidden, weight, n_real, force_scalar, temperature.data_ptr<float>(),
+                              tmax.data_ptr<float>(), tsum.data_ptr<float>());
+  auto to = targets_of(z, temperature, n_real, targets);
+  return {z, tmax, tsum, to[0], to[1]};
 }
 
 // linear_logp in one call (no bias, logits not returned): hidden [N, D] bf16, weight [>= n_real, D] bf16,
-// temperature [N] fp32, targets [N] int64 relative to column 0 -> (logp [N], lse [N]). The same functions as the
-// separate entries, in the same order: hopper_logits, tile_stats, z'_target = div(z_target, T) (or -inf for a
-// target outside [0, n_real)), merge.
+// temperature [N] fp32, targets [N] int64 relative to column 0 -> (logp [N], lse [N]): shard_stats_fused, then
+// merge.
 std::vector<torch::Tensor> linear_logp_fused(torch::Tensor hidden, torch::Tensor weight, int64_t n_real,
                                              torch::Tensor temperature, torch::Tensor targets, bool force_scalar) {
   TORCH_CHECK(n_real >= 1, "n_real must be >= 1");
-  temperature = temperature.contiguous();
-  targets = targets.contiguous();
-  TORCH_CHECK(targets.scalar_type() == torch::kInt64 && targets.dim() == 1 && targets.size(0) == hidden.size(0),
-              "targets must be int64 [N]");
-  auto z = hopper_logits(hidden, weight, n_real, force_scalar);
-  auto st = tile_stats(z, temperature, n_real);
-  const int64_t n = z.size(0);
-  auto tl = torch::empty({n}, torch::dtype(torch::kFloat32));
-  const float* Z = z.data_ptr<float>();
-  const float* T = temperature.data_ptr<float>();
-  const int64_t* G = targets.data_ptr<int64_t>();
-  float* L = tl.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    int64_t t = G[r];
-    L[r] = (t >= 0 && t < n_real) ? Z[r * n_real + t] / T[r] : -F_INF;
-  }
-  return merge(st[0], st[1], tl);
+  TORCH_CHECK(targets.dim() == 1, "targets must be [N]");
+  auto st = shard_stats_fused(hidden, weight, n_real, temperature, targets, force_scalar);
+  return merge(st[1], st[2], st[3]);
 }
 
 torch::Tensor map_f32(torch::Tensor x, bool is_log) {
@@ -819,6 +870,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge", &merge, "row merge over tiles in ascending order; logp = min(z'_target - lse, 0)");
   m.def("linear_logp_fused", &linear_logp_fused, "hopper_logits, tile_stats, target logit and merge in one call");
   m.def("tile_stats_mismatches", &tile_stats_mismatches);
+  m.def("shard_stats_fused", &shard_stats_fused, "logits, tile statistics and the targets' scaled logits");
   m.def("stats_targets", &stats_targets, "tile statistics and the targets' scaled logits (-inf where not owned)");
   m.def("contract_exp", [](torch::Tensor x) { return map_f32(x, false); });
   m.def("contract_log", [](torch::Tensor x) { return map_f32(x, true); });
