@@ -4,7 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels clean
+.PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
+	peer-parts-check peer-site bench-fwd-peers clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -44,8 +45,22 @@ test-gpu:
 # The two linear_logp benchmarks measure Liger-Kernel and Apple's Cut Cross-Entropy in the same run when their wheels
 # (`make peer-wheels`, below) are in build/wheels: they are installed into build/peer-site, which is on PYTHONPATH for
 # those two commands only. Without the wheels the benchmarks still run and report the peers as not measured.
-bench-gpu:
+# QuACK (the forward benchmark's third peer) is too large for build/wheels: its parts (`make peer-parts`) are sent
+# first and installed into /tmp/qsite, which is added to that PYTHONPATH when its ready mark is there.
+# `make bench-fwd-peers`: the forward benchmark alone, with the same peers (a shorter call).
+bench-gpu: peer-site
+	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
+	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py
+	$(GPU_ENV) $(PYTHON) -P bench/tp_validation.py
+	$(GPU_ENV) $(PYTHON) -P bench/benchmark_transforms.py
+	$(GPU_ENV) $(PYTHON) -P -m fused_logp_jobs.cli ladder --out $${OUT:-out}/ladder
+
+bench-fwd-peers: peer-site
+	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
+
+peer-site:
 	rm -rf $(PEER_SITE)
+	@echo "bench-gpu: QuACK $(if $(QUACK_PATH),from $(QUACK_SITE),not installed ($(QUACK_SITE)/.quack_gpu_ready absent: make peer-parts))"
 	@whl=$$(ls build/wheels/liger_kernel-*.whl build/wheels/cut_cross_entropy-*.whl 2>/dev/null); \
 	if [ -z "$$whl" ]; then echo "bench-gpu: no Liger/CCE wheels in build/wheels (make peer-wheels): peers not measured"; \
 	else \
@@ -54,11 +69,6 @@ bench-gpu:
 		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(PEER_SITE) $$whl \
 			|| echo "bench-gpu: installing the peer wheels failed: peers not measured"; \
 	fi
-	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
-	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py
-	$(GPU_ENV) $(PYTHON) -P bench/tp_validation.py
-	$(GPU_ENV) $(PYTHON) -P bench/benchmark_transforms.py
-	$(GPU_ENV) $(PYTHON) -P -m fused_logp_jobs.cli ladder --out $${OUT:-out}/ladder
 
 # megatron-core 0.19.x on the SM90 machine, which has no package index: `make megatron-wheels` here (pip reaches
 # PyPI) puts the cp312 manylinux wheel in build/wheels (its requirements, torch, numpy and packaging, are on the
@@ -80,12 +90,40 @@ megatron-wheels:
 # downloaded too and installed only where `import packaging` fails). CCE's default impl also runs torch.compile (inductor).
 PEER_WHEELS := liger-kernel==0.8.5 cut-cross-entropy==25.1.1 packaging==25.0
 PEER_SITE := build/peer-site
-PEER_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests:$(CURDIR)/$(PEER_SITE) PYTHONUNBUFFERED=1
+QUACK_SITE := /tmp/qsite
+# (CUTLASS DSL's `cutlass` package lives under nvidia_cutlass_dsl/dsl_packages, put on sys.path by a .pth file that a
+# --target site does not run)
+QUACK_PATH := $(if $(wildcard $(QUACK_SITE)/.quack_gpu_ready),:$(QUACK_SITE):$(QUACK_SITE)/nvidia_cutlass_dsl/dsl_packages)
+PEER_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests:$(CURDIR)/$(PEER_SITE)$(QUACK_PATH) PYTHONUNBUFFERED=1
 
 peer-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		-d build/wheels $(foreach w,$(PEER_WHEELS),'$(w)')
 	ls -l build/wheels
+
+# QuACK's linear cross-entropy (quack-kernels 0.6.5 with nvidia-cutlass-dsl 4.8.1 and its CUDA 13 library wheel, 92 MB;
+# the pins and why each is there are in tools/vllm_gpu_parts.sh, set quack) for `make bench-gpu` on the SM90 machine:
+# `make peer-parts` here downloads the cp312 manylinux wheels (and Liger's and CCE's, peer-wheels) and cuts them into
+# parts of <= 57 MiB under build/quack-gpu/partNN. There, one command per part, back to back (the machine keeps /tmp
+# only while warm), the last one carrying build/wheels too and running the benchmarks (bench/NOTES-sm90.md, "QuACK peer:
+# how to run"):
+#   carry ["build/quack-gpu/part01"]                  bash build/quack-gpu/part01/vstash.sh
+#   carry ["build/quack-gpu/part02", "build/wheels"]  bash build/quack-gpu/part02/vstash.sh --final && make bench-gpu OUT=$OUT
+# `make peer-parts-check` joins, verifies and installs the parts here into build/quack-check (--no-deps, no import).
+peer-parts: peer-wheels
+	bash tools/vllm_gpu_parts.sh $(CURDIR) --set quack --download --part-mib 57
+	ls -l build/quack-gpu/*
+
+peer-parts-check:
+	rm -rf build/quack-check
+	@for d in build/quack-gpu/part*/; do \
+		GPU_PARTS_STASH=$(CURDIR)/build/quack-check/stash GPU_PARTS_SITE=$(CURDIR)/build/quack-check/site \
+		GPU_PARTS_PIP_ARGS="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64" \
+			bash $$d/vstash.sh $$([ "$$d" = "$$(ls -d build/quack-gpu/part*/ | tail -1)" ] && echo --final) || exit 1; \
+	done
+	ls build/quack-check/site
+	test -f build/quack-check/site/nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py
+	test -f build/quack-check/site/quack/linear_cross_entropy.py
 
 test-megatron-gpu:
 	@ls build/wheels/megatron_core-*.whl >/dev/null 2>&1 || { echo "no megatron-core wheel in build/wheels:" \

@@ -8,7 +8,10 @@ triton.testing.do_bench (CUDA events) after warm-up, two rotating hidden-state s
 far larger than the L2). Peak extra memory = max_memory_allocated during one call minus the inputs.
 Liger and Apple CCE (forward only, under torch.no_grad, reduction="none": the per-token loss, i.e. -logp) are
 measured the same way when their packages import (`make peer-wheels`, then `make bench-gpu`); when absent or when
-they fail, the reason is recorded in the JSON as a string and nothing is substituted.
+they fail, the reason is recorded in the JSON as a string and nothing is substituted. QuACK (`make peer-parts`; forward
+only, under torch.no_grad) is measured the same way; its fused linear cross-entropy offers reduction "sum" or "mean"
+only, so its column is the sum over tokens of the per-token loss (bench/peers.py records the call and QuACK's path),
+checked against the sum of ours.
 """
 from __future__ import annotations
 
@@ -101,7 +104,7 @@ def main():
         sys.exit(f"sm90 backend unavailable: {why}")
     be.launch = args.launch
     dev = torch.device("cuda")
-    peers = peer_lib.load("none", no_grad=True)
+    peers = peer_lib.load("none", no_grad=True, names=[name for name, _ in peer_lib.PEERS])
     g = torch.Generator(device=dev).manual_seed(1234)
     d = args.d
     rows = []
@@ -169,8 +172,14 @@ def main():
                     h0 = nxt()
                     ref = be.linear_logp(h0, w, tg, bias=None, temperature=temp, return_logits=False, vocab_size=v)[0]
                     got = pfn(h0, w, tg)
-                    diff = got.float().reshape(-1) + ref.float().reshape(-1)  # their -logp against our logp
-                    row[name + "_max_abs_diff_vs_ours"] = float(diff.abs().max())
+                    if pinfo.get("output") == "sum":  # their sum of -logp against the sum of our logp
+                        s = ref.double().sum()
+                        row[name + "_sum_abs_diff_vs_ours"] = float((got.double() + s).abs())
+                        row[name + "_sum_rel_diff_vs_ours"] = float((got.double() + s).abs() / s.abs())
+                        diff = None
+                    else:
+                        diff = got.float().reshape(-1) + ref.float().reshape(-1)  # their -logp against our logp
+                        row[name + "_max_abs_diff_vs_ours"] = float(diff.abs().max())
                     del ref, got, diff
                     ms = _do_bench(peer, rep)
                     mem = _peak_extra(peer)
@@ -218,24 +227,31 @@ def main():
               f"{r['ratio_ours_logits_vs_ours']:>6.3f} | "
               f"{r['ours_peak_extra_mib']:>7.1f}Mi {r['cublas_logsoftmax_peak_extra_mib']:>7.1f}Mi")
     for k in info["peers_not_installed"]:
-        print(f"{k}: not installed on this machine; not measured (DESIGN-NOTES section 3 has earlier figures)")
+        print(f"{k}: {peers[k][1]['status']}")
     if any(pfn is not None for pfn, _ in peers.values()):
         def cell(x, width):
             return f"{x:>{width}.3f}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
         print()
-        print("peers, forward only (no_grad, per-token loss); median ms and peak extra MiB")
+        print("peers, forward only (no_grad; per-token loss, QuACK: its sum over tokens); median ms and peak extra MiB")
         def ratio(r, k):
             return r[k] / r["gemm_bf16_ms"] if isinstance(r[k], (int, float)) else None
-        print(f"{'V':>7} {'N':>6} | {'ours':>8} {'Liger':>8} {'CCE':>8} | {'ours/GEMM':>9} {'Liger/GEMM':>10} "
-              f"{'CCE/GEMM':>9} | {'mem Liger':>9} {'mem CCE':>9}")
+        label = {"liger": "Liger", "cce": "CCE", "quack": "QuACK"}
+        names = list(peers)
+        print(f"{'V':>7} {'N':>6} | {'ours':>8} " + " ".join(f"{label.get(p, p):>8}" for p in names)
+              + f" | {'ours/GEMM':>10} " + " ".join(f"{label.get(p, p) + '/GEMM':>10}" for p in names)
+              + " | " + " ".join(f"{'mem ' + label.get(p, p):>10}" for p in names))
         for r in rows:
-            print(f"{r['V']:>7} {r['N']:>6} | {r['ours_ms']:>8.3f} {cell(r['liger_ms'], 8)} {cell(r['cce_ms'], 8)} | "
-                  f"{cell(ratio(r, 'ours_ms'), 9)} {cell(ratio(r, 'liger_ms'), 10)} {cell(ratio(r, 'cce_ms'), 9)} | "
-                  f"{cell(r['liger_peak_extra_mib'], 9)} {cell(r['cce_peak_extra_mib'], 9)}")
+            print(f"{r['V']:>7} {r['N']:>6} | {r['ours_ms']:>8.3f} " + " ".join(cell(r[p + '_ms'], 8) for p in names)
+                  + f" | {cell(ratio(r, 'ours_ms'), 10)} " + " ".join(cell(ratio(r, p + '_ms'), 10) for p in names)
+                  + " | " + " ".join(cell(r[p + '_peak_extra_mib'], 10) for p in names))
         for name in peers:
             for r in rows:
                 if r[name + "_error"] is not None:
                     print(f"{name} V={r['V']} N={r['N']}: {r[name + '_error']}")
+                else:
+                    checks = {k[len(name) + 1:]: r[k] for k in r if k.startswith(name + "_")
+                              and ("diff_vs_ours" in k)}
+                    print(f"{name} V={r['V']} N={r['N']}: {checks}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench-{args.tag}-{info['date']}.json")
     with open(path, "w") as f:

@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# vllm_gpu_parts.sh (`make vllm-gpu-parts`): cut the wheels that real vLLM 0.26.0 (CUDA 13 build) needs on the H200 image into
+# vllm_gpu_parts.sh (`make vllm-gpu-parts`, `make peer-parts`): cut a set of pinned wheels that the H200 image lacks into
 # parts that each fit one command on the GPU machine (64 MiB per call, tree included), and print the call sequence.
+# Two sets: `vllm` (the default: real vLLM 0.26.0, CUDA 13 build, and its import-time needs) and `quack` (QuACK 0.6.5
+# and CUTLASS DSL 4.8.1 with the CUDA 13 library wheel, a peer of the linear_logp benchmark).
 #
-#   tools/vllm_gpu_parts.sh CHECKOUT [--slim] [--download] [--wheels DIR] [--vllm-wheel FILE] [--part-mib N]
+#   tools/vllm_gpu_parts.sh CHECKOUT [--set vllm|quack] [--slim] [--download] [--wheels DIR] [--vllm-wheel FILE] [--part-mib N]
 #
-#   CHECKOUT      the checkout whose tree travels with `run` (the parts go to CHECKOUT/build/vllm-gpu/partNN/)
+#   CHECKOUT      the checkout whose tree travels with `run` (the parts go to CHECKOUT/build/<set>-gpu/partNN/)
+#   --set NAME    which wheels: vllm (default) or quack; each set has its own parts folder, stash and site on the
+#                 GPU machine (vllm: build/vllm-gpu, /tmp/vstash, /tmp/vsite; quack: build/quack-gpu, /tmp/qstash,
+#                 /tmp/qsite), so both can be installed on one warm machine
 #   --slim        carry a reduced vLLM wheel (drops the FA2 kernels, the MoE kernels, the Rust frontend and the
 #                 DeepGEMM/FMHA JIT headers; FA3 stored LZMA-compressed): ~2 calls instead of ~6. Dense models on
 #                 Hopper only (FA3 attention; no MoE, no Rust frontend). Without it the PyPI wheel travels as is.
-#   --download    fetch the pinned wheels below (and vllm==0.26.0 if missing) from PyPI into --wheels first
-#   --wheels DIR  where the dependency wheels are (default CHECKOUT/build/vllm-gpu-wheels)
-#   --vllm-wheel  the vLLM wheel (default: DIR/vllm-0.26.0-*.whl)
+#   --download    fetch the set's pinned wheels below (and vllm==0.26.0 if missing) from PyPI into --wheels first
+#   --wheels DIR  where the dependency wheels are (default CHECKOUT/build/<set>-gpu-wheels)
+#   --vllm-wheel  the vLLM wheel (default: DIR/vllm-0.26.0-*.whl; set vllm only)
 #   --part-mib N  part size in MiB (default: 60, lowered automatically so part + travelling tree <= 63 MiB)
 #
 # On the GPU machine each command runs `bash build/vllm-gpu/partNN/vstash.sh` with carry ["build/vllm-gpu/partNN"]: it copies
 # the part into /tmp/vstash; the call that completes the set joins the split files (cat), checks sha256, runs
 # `pip install --no-index --no-deps --no-compile --target /tmp/vsite` and touches /tmp/vsite/.vllm_gpu_ready.
+# (Set quack: build/quack-gpu/partNN/vstash.sh, /tmp/qstash, /tmp/qsite, /tmp/qsite/.quack_gpu_ready. CUTLASS DSL puts
+# its `cutlass` package on sys.path through a .pth file, which a --target site does not run: PYTHONPATH needs
+# /tmp/qsite/nvidia_cutlass_dsl/dsl_packages too; the script prints the line. GPU_PARTS_STASH and GPU_PARTS_SITE, when
+# set, replace the stash and site folders, and GPU_PARTS_PIP_ARGS is added to pip's install line: for checking a set's
+# join and install away from the GPU machine, e.g. with "--python-version 3.12 --platform manylinux_2_28_x86_64".)
 # The last call passes --final, so a set left incomplete by a machine that went cold fails (rc 3) instead of running.
 # Files on the GPU machine survive only while the machine stays warm (30 s between commands): run the commands back to back,
 # and put the real work into the last call (the script prints it). Needs python3, pip (for --download), sha256sum.
@@ -32,11 +42,12 @@ llguidance==1.7.6 xgrammar==0.2.6 apache-tvm-ffi==0.1.10"
 
 die() { echo "vllm_gpu_parts: $*" >&2; exit 1; }
 
-[ $# -ge 1 ] || { sed -n 2,22p "$0"; exit 2; }   # the header above
+[ $# -ge 1 ] || { sed -n 2,32p "$0"; exit 2; }   # the header above
 CHECKOUT=$(cd "$1" && pwd) || die "no checkout $1"; shift
-WHEELS=$CHECKOUT/build/vllm-gpu-wheels; VLLM_WHL=""; PART_MIB=60; SLIM=0; DOWNLOAD=0
+SET=vllm; WHEELS=""; VLLM_WHL=""; PART_MIB=60; SLIM=0; DOWNLOAD=0
 while [ $# -gt 0 ]; do
   case "$1" in
+    --set) SET=$2; shift ;;
     --slim) SLIM=1 ;;
     --download) DOWNLOAD=1 ;;
     --wheels) WHEELS=$2; shift ;;
@@ -47,6 +58,34 @@ while [ $# -gt 0 ]; do
   shift
 done
 
+# --- the set: its pins, where its parts go, and where the GPU machine stashes and installs them -------------------
+# PYPATH: what PYTHONPATH needs on the GPU machine (the site, plus what the set's .pth files would have added)
+case "$SET" in
+  vllm)
+    STASH_DIR=/tmp/vstash; SITE_DIR=/tmp/vsite; READY=.vllm_gpu_ready
+    PYPATH=$SITE_DIR; RUN_ENV="VLLM_USE_FLASHINFER_SAMPLER=0"; LAST_RUN="<your vLLM run>"; LAST_CARRY="" ;;
+  quack)
+    # QuACK 0.6.5 requires nvidia-cutlass-dsl>=4.7, apache-tvm-ffi>=0.1.6,<0.2, torch-c-dlpack-ext, einops and torch
+    # (no version). nvidia-cutlass-dsl 4.8.1 is a metapackage (a .pth file) over libs-base, which needs libs-core;
+    # its cu13 extra adds libs-cu13 (the 92 MB MLIR/runtime build for CUDA 13; the cu12 build it also requires is
+    # left out: with only cu13 present, cu13 is chosen). On the H200 image (Python 3.12, torch 2.11+cu130, driver
+    # CUDA 13.0): einops, cuda-bindings, protobuf, typing-extensions, triton are there; torch 2.11 has the DLPack
+    # exchange attribute itself, so torch-c-dlpack-ext (built for torch <= 2.9) is carried for completeness and
+    # not loaded. apache-tvm-ffi 0.1.10 is the version vLLM's set carries.
+    PINS="quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.10 torch-c-dlpack-ext==0.1.5"
+    STASH_DIR=/tmp/qstash; SITE_DIR=/tmp/qsite; READY=.quack_gpu_ready
+    PYPATH=$SITE_DIR:$SITE_DIR/nvidia_cutlass_dsl/dsl_packages; RUN_ENV=""
+    # `make bench-gpu` puts the site on the benchmarks' PYTHONPATH itself; build/wheels holds Liger's and CCE's wheels
+    LAST_RUN="make bench-gpu OUT=\$OUT"; LAST_CARRY=', "build/wheels"'
+    [ $SLIM = 0 ] && [ -z "$VLLM_WHL" ] || die "--slim and --vllm-wheel are for --set vllm" ;;
+  *) die "unknown set $SET (vllm or quack)" ;;
+esac
+[ -n "$WHEELS" ] || WHEELS=$CHECKOUT/build/$SET-gpu-wheels
+ENV_LINE="export PYTHONPATH=$PYPATH\${PYTHONPATH:+:\$PYTHONPATH}${RUN_ENV:+ $RUN_ENV}"
+SHOW_ENV="export PYTHONPATH=$PYPATH${RUN_ENV:+ $RUN_ENV}"
+[ $SET = vllm ] && LAST_RUN="$SHOW_ENV && $LAST_RUN"
+
 PLATS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64
 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 --platform manylinux_2_31_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64"
@@ -55,7 +94,7 @@ if [ $DOWNLOAD = 1 ]; then
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATS \
       -d "$WHEELS" $PINS || die "pip download of the pinned wheels failed"
-  if ! ls "$WHEELS"/vllm-$VLLM_VERSION-*.whl >/dev/null 2>&1 && { [ -z "$VLLM_WHL" ] || [ ! -f "$VLLM_WHL" ]; }; then
+  if [ $SET = vllm ] && ! ls "$WHEELS"/vllm-$VLLM_VERSION-*.whl >/dev/null 2>&1 && { [ -z "$VLLM_WHL" ] || [ ! -f "$VLLM_WHL" ]; }; then
     # shellcheck disable=SC2086
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATS \
         -d "$WHEELS" vllm==$VLLM_VERSION || die "pip download of vllm==$VLLM_VERSION failed"
@@ -63,11 +102,13 @@ if [ $DOWNLOAD = 1 ]; then
 fi
 
 # --- which files travel -----------------------------------------------------------------------------------------
-if [ -z "$VLLM_WHL" ]; then
-  VLLM_WHL=$(ls "$WHEELS"/vllm-$VLLM_VERSION-*.whl 2>/dev/null | head -1 || true)
-  :
+if [ $SET = vllm ]; then
+  if [ -z "$VLLM_WHL" ]; then
+    VLLM_WHL=$(ls "$WHEELS"/vllm-$VLLM_VERSION-*.whl 2>/dev/null | head -1 || true)
+    :
+  fi
+  [ -n "$VLLM_WHL" ] && [ -f "$VLLM_WHL" ] || die "no vllm-$VLLM_VERSION wheel (use --download or --vllm-wheel)"
 fi
-[ -n "$VLLM_WHL" ] && [ -f "$VLLM_WHL" ] || die "no vllm-$VLLM_VERSION wheel (use --download or --vllm-wheel)"
 DEPS=()
 for spec in $PINS; do
   n=${spec%%==*}; v=${spec#*==}
@@ -77,8 +118,8 @@ for spec in $PINS; do
   DEPS+=("$WHEELS/$f")
 done
 
-OUTROOT="$CHECKOUT/build/vllm-gpu"
-STAGE=$(mktemp -d /tmp/vllm-gpu-stage.XXXXXX)
+OUTROOT="$CHECKOUT/build/$SET-gpu"
+STAGE=$(mktemp -d /tmp/$SET-gpu-stage.XXXXXX)
 trap 'rm -rf "$STAGE"' EXIT
 
 if [ $SLIM = 1 ]; then
@@ -115,12 +156,12 @@ if git -C "$CHECKOUT" rev-parse --git-dir >/dev/null 2>&1; then
   # (a tracked file deleted in the work tree makes du fail; the total of the others still counts)
   TREE=$( (cd "$CHECKOUT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null || true) | tail -1 | cut -f1)
   [ -d "$CHECKOUT/shared" ] && TREE=$((TREE + $(du -sb "$CHECKOUT/shared" | cut -f1)))
-  # build/vllm-gpu must be ignored, or the parts would travel with every call
-  if ! git -C "$CHECKOUT" check-ignore -q build/vllm-gpu/probe; then
+  # build/<set>-gpu must be ignored, or the parts would travel with every call
+  if ! git -C "$CHECKOUT" check-ignore -q build/$SET-gpu/probe; then
     excl=$(git -C "$CHECKOUT" rev-parse --git-path info/exclude)
     case "$excl" in /*) ;; *) excl="$CHECKOUT/$excl" ;; esac
-    mkdir -p "$(dirname "$excl")"; echo "/build/vllm-gpu/" >> "$excl"
-    echo "note: added /build/vllm-gpu/ to $excl" >&2
+    mkdir -p "$(dirname "$excl")"; echo "/build/$SET-gpu/" >> "$excl"
+    echo "note: added /build/$SET-gpu/ to $excl" >&2
   fi
 fi
 MIB=$((1024 * 1024))
@@ -132,7 +173,7 @@ PART=$((PART_MIB * MIB)); [ $PART -le $MAXPART ] || PART=$MAXPART
 rm -rf "$OUTROOT"; mkdir -p "$OUTROOT"
 PIECES="$STAGE/pieces"; mkdir -p "$PIECES"
 MANIFEST="$OUTROOT/manifest.txt"; : > "$MANIFEST"
-for w in "$VLLM_WHL" "${DEPS[@]}"; do
+for w in ${VLLM_WHL:+"$VLLM_WHL"} "${DEPS[@]}"; do
   b=$(basename "$w"); size=$(stat -c %s "$w"); sha=$(sha256sum "$w" | cut -d' ' -f1)
   if [ "$size" -gt "$PART" ]; then
     split -b "$PART" -d -a 2 "$w" "$PIECES/$b.part"
@@ -143,12 +184,15 @@ for w in "$VLLM_WHL" "${DEPS[@]}"; do
   echo "$b $sha $size $n" >> "$MANIFEST"
 done
 
-cat > "$STAGE/vstash.sh" <<'DEV'
+cat > "$STAGE/vstash.sh" <<DEV
 #!/usr/bin/env bash
 # GPU-machine side: stash this part; once every piece named in manifest.txt is there, join, verify, install.
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd); S=/tmp/vstash; T=/tmp/vsite
-if [ -f $T/.vllm_gpu_ready ]; then echo "VSITE READY (installed earlier)"; exit 0; fi
+here=\$(cd "\$(dirname "\$0")" && pwd); S=\${GPU_PARTS_STASH:-$STASH_DIR}; T=\${GPU_PARTS_SITE:-$SITE_DIR}; READY=$READY
+ENV_LINE='$ENV_LINE'
+DEV
+cat >> "$STAGE/vstash.sh" <<'DEV'
+if [ -f $T/$READY ]; then echo "VSITE READY (installed earlier)"; exit 0; fi
 mkdir -p $S
 for f in "$here"/*; do case "$(basename "$f")" in vstash.sh|manifest.txt) ;; *) cp -f "$f" $S/ ;; esac; done
 missing=""
@@ -168,9 +212,9 @@ while read -r name sha size n; do
   echo "$sha  $S/$name" | sha256sum -c --quiet - || { echo "CHECKSUM FAILED: $name" >&2; exit 1; }
 done < "$here/manifest.txt"
 t0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $T $S/*.whl
-touch $T/.vllm_gpu_ready
-echo "VSITE READY in $(( $(date +%s) - t0 )) s: export PYTHONPATH=$T\${PYTHONPATH:+:\$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $T ${GPU_PARTS_PIP_ARGS:-} $S/*.whl
+touch $T/$READY
+echo "VSITE READY in $(( $(date +%s) - t0 )) s: $ENV_LINE"
 DEV
 
 # first-fit decreasing over the pieces
@@ -197,7 +241,7 @@ done
 
 # --- report ------------------------------------------------------------------------------------------------------
 TOTAL=$(awk '{s += $3} END {print s}' "$MANIFEST")
-echo "wheels ($(wc -l < "$MANIFEST")), $(awk -v t="$TOTAL" 'BEGIN {printf "%.1f", t / 1048576}') MiB in all$([ $SLIM = 1 ] && echo ', vLLM slimmed'):"
+echo "set $SET: wheels ($(wc -l < "$MANIFEST")), $(awk -v t="$TOTAL" 'BEGIN {printf "%.1f", t / 1048576}') MiB in all$([ $SLIM = 1 ] && echo ', vLLM slimmed'):"
 awk '{printf "  %8.2f MiB  %s%s\n", $3 / 1048576, $1, ($4 > 1 ? "  (split in " $4 ")" : "")}' "$MANIFEST"
 echo "travelling tree $(awk -v t="$TREE" 'BEGIN {printf "%.1f", t / 1048576}') MiB; part limit $(awk -v t="$PART" 'BEGIN {printf "%.1f", t / 1048576}') MiB; $NP parts under $OUTROOT:"
 for ((k = 1; k <= NP; k++)); do
@@ -209,9 +253,9 @@ echo "GPU-machine commands, back to back (each within 30 s of the last; a cold m
 for ((k = 1; k <= NP; k++)); do
   d=$(printf 'part%02d' $k)
   if [ $k -lt $NP ]; then
-    echo "  call $k: carry [\"build/vllm-gpu/$d\"]  command: bash build/vllm-gpu/$d/vstash.sh"
+    echo "  call $k: carry [\"build/$SET-gpu/$d\"]  command: bash build/$SET-gpu/$d/vstash.sh"
   else
-    echo "  call $k: carry [\"build/vllm-gpu/$d\"]  command: bash build/vllm-gpu/$d/vstash.sh --final && export PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 && <your vLLM run>"
+    echo "  call $k: carry [\"build/$SET-gpu/$d\"$LAST_CARRY]  command: bash build/$SET-gpu/$d/vstash.sh --final && $LAST_RUN"
   fi
 done
-echo "  later calls on the same warm machine: [ -f /tmp/vsite/.vllm_gpu_ready ] && export PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 && <run>"
+echo "  later calls on the same warm machine: [ -f $SITE_DIR/$READY ] && $SHOW_ENV && <run>"
