@@ -185,7 +185,9 @@ class OracleFastBackend:
         dev = hidden.device
         n_real = max(0, min(weight_shard.shape[0], vocab_size - vocab_start))
         temp = _cpu(temperature).to(torch.float32).contiguous()
-        tgt = _cpu(targets).to(torch.int64) - vocab_start
+        tgt = _cpu(targets).to(torch.int64)
+        if vocab_start:
+            tgt = tgt - vocab_start
         if bias is None and n_real > 0:                 # one pass: logits and their statistics
             z, tmax, tsum, tlogit, owned = extension().shard_stats_fused(
                 _cpu(hidden).contiguous(), _cpu(weight_shard).contiguous(), int(n_real), temp, tgt.contiguous(),
@@ -193,13 +195,15 @@ class OracleFastBackend:
         else:
             z = self.logits(hidden, weight_shard, n_real, bias)
             tmax, tsum, tlogit, owned = self._stats(z, temp, n_real, tgt)
+        if dev.type != "cpu":
+            tmax, tsum, tlogit, owned, z = (x.to(dev) for x in (tmax, tsum, tlogit, owned, z))
         return {
-            "tile_max": tmax.to(dev),
-            "tile_sum": tsum.to(dev),
-            "target_logit": tlogit.to(dev),
-            "target_owned": owned.to(dev),
+            "tile_max": tmax,
+            "tile_sum": tsum,
+            "target_logit": tlogit,
+            "target_owned": owned,
             "tile_offset": vocab_start // _TILE,
-            "logits": z.to(dev) if return_logits else None,
+            "logits": z if return_logits else None,
         }
 
     def merge_stats(self, tile_max, tile_sum, target_logit):
@@ -252,7 +256,7 @@ class OracleFastBackend:
         ext = extension()
         tmax, tsum, tlogit, _ = ext.stats_targets(z, temp, int(vocab_size), _cpu(targets).to(torch.int64).contiguous())
         logp, lse = ext.merge(tmax, tsum, tlogit)
-        return logp.to(dev), lse.to(dev)
+        return (logp, lse) if dev.type == "cpu" else (logp.to(dev), lse.to(dev))
 
 
 def contract_exp(x: np.ndarray) -> np.ndarray:
