@@ -286,3 +286,75 @@ def test_mrv2_request_flags():
     f.epoch[5] = 3
     f.set(5, None, [])
     assert not f.program[5] and f.epoch[5] == -1
+
+
+def test_v1_row_batch_once_per_composition_and_epoch():
+    """The V1 runner's RowBatch: the same rows (request ids in row order, with or without programs) reuse it; the
+    program groups are computed once per vocabulary size; the rows' programs are recorded for the programs RPC
+    once per (head, epoch) and again after the RPC drains them (epoch bump)."""
+    from fused_logp.kernel.transforms import TransformProgram
+    from fused_logp.vllm_plugin.scoring import program_groups
+    from fused_logp.vllm_plugin.settings import PluginSettings
+    from fused_logp.vllm_plugin.state import HeadState, RowBatch
+
+    k5, plain = TransformProgram(temperature=0.7, top_k=5), TransformProgram(temperature=0.7)
+    rb = RowBatch(["a", "b", "c"], [k5, plain, None])
+    assert rb.same_rows(["a", "b", "c"], True) and not rb.same_rows(["a", "c", "b"], True)
+    assert not rb.same_rows(["a", "b", "c"], False) and not rb.all_programs
+    assert RowBatch(["a"], [plain]).all_programs and not RowBatch(["a"], None).all_programs
+    g = rb.groups(100, program_groups)
+    assert g == program_groups(rb.programs, 100) == {k5: [0]} and rb.groups(100, program_groups) is g
+    assert rb.groups(3, program_groups) == {} and RowBatch(["a"], None).to_record(None) is None
+    st = HeadState(PluginSettings(strict=True, backend="auto", capture=False, source="test"))
+    rec = rb.to_record(st)
+    assert rec == (["a", "b", "c"], [k5, plain, None])
+    st.record_programs(*rec)
+    rb.mark_recorded(st)
+    assert rb.to_record(st) == ([], []) and set(st.programs) == {"a", "b"}
+    st.programs.clear()
+    st.programs_epoch += 1                                      # what the programs RPC does when it drains
+    assert rb.to_record(st) == (["a", "b", "c"], [k5, plain, None])
+    other = HeadState(PluginSettings(strict=True, backend="auto", capture=False, source="test"))
+    assert rb.to_record(other)[0] == ["a", "b", "c"]
+
+
+def test_all_unit_temperature_decided_once_per_temperature_bytes():
+    """all_unit_temperature is a function of the host temperatures' binary32 bytes (memoised): the same answers
+    as shared_contract.sampling.scoring_temperatures, first call and repeated, views included."""
+    import numpy as np
+
+    from fused_logp.shared_contract.sampling import scoring_temperatures
+    from fused_logp.vllm_plugin.scoring import all_unit_temperature
+
+    cases = [[1.0, 0.0, 1.0, 1e-6], [1.0, 0.7], [1.0, 1e-5], [1.0, 9.9e-6], [1.0000001, 1.0], [1.0], [0.0] * 5]
+    for vals in cases:
+        a = np.array(vals, dtype=np.float32)
+        want = bool(scoring_temperatures(torch.from_numpy(a), len(vals)).eq(1.0).all())
+        assert all_unit_temperature(a) is want and all_unit_temperature(a.copy()) is want
+        assert all_unit_temperature(np.array(vals, dtype=np.float64)) is want     # read as binary32
+    big = np.array([0.7, 1.0, 1.0, 0.0], dtype=np.float32)
+    assert all_unit_temperature(big[1:]) and not all_unit_temperature(big[:2])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_cpu_argument_checks_refuse_as_before(dtype):
+    """The CPU checks of targets and temperature (one reduction each) refuse exactly what they refused, naming the
+    first bad value; valid int32 targets still reach the backend as int64 with the same bytes."""
+    from fused_logp import logp_from_logits
+    from fused_logp.shared_contract.errors import ContractInputError
+
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(3, 70, generator=g)
+    for bad, shown in (([1, -2, 3], "-2"), ([1, 70, 3], "70"), ([[0, 1], [2, 70], [69, 0]], "70")):
+        with pytest.raises(ContractInputError, match=rf"targets must lie in the real vocabulary \[0, 70\); got {shown}"):
+            logp_from_logits(z, torch.tensor(bad, dtype=dtype), backend="oracle-fast")
+    ok = torch.tensor([0, 69, 5], dtype=dtype)
+    for t in ([0.7, float("nan"), 1.0], [0.7, 1.0, float("inf")], [0.0, 1.0, 1.0], [1.0, -0.5, 1.0],
+              [float("-inf"), 1.0, 1.0]):
+        with pytest.raises(ContractInputError, match="temperature must be finite and > 0"):
+            logp_from_logits(z, ok, temperature=torch.tensor(t), backend="oracle-fast")
+    t = torch.tensor([0.7, 1.3, 1.0])
+    a = logp_from_logits(z, ok, temperature=t, backend="oracle-fast")
+    b = logp_from_logits(z, ok.to(torch.int64), temperature=t.to(torch.float64), backend="oracle")
+    assert torch.equal(a.logp.view(torch.int32), b.logp.view(torch.int32))
+    assert a.provenance.backend == "oracle-fast" and b.provenance.backend == "oracle"

@@ -107,11 +107,16 @@ def _check_targets(targets, n, vocab_size, device, columns=False, host_check=Fal
     if n == 0:
         return targets.to(torch.int64), None
     if device.type == "cpu" or host_check:
-        ok = (targets >= 0) & (targets < vocab_size)
-        if not bool(ok.all()):
+        if targets.device.type == "cpu":              # one reduction, read on the host (a serving step calls this)
+            lo, hi = torch.aminmax(targets)
+            in_range = int(lo) >= 0 and int(hi) < vocab_size
+        else:                                         # host_check of device targets: one synchronisation
+            in_range = bool(((targets >= 0) & (targets < vocab_size)).all())
+        if not in_range:
+            ok = (targets >= 0) & (targets < vocab_size)
             bad = targets[~ok][0].item()
             raise ContractInputError(f"targets must lie in the real vocabulary [0, {vocab_size}); got {bad}")
-        return targets.to(torch.int64).contiguous(), None
+        return (targets if targets.dtype == torch.int64 else targets.to(torch.int64)).contiguous(), None
     # On a device: no host synchronisation and no device-side assertion (it would end the process or poison the
     # CUDA context). An invalid row's target becomes the safe id 0 before any launch; the row is reported
     # (CONTRACT.md section 0.1, _row_guard) and its logp and lse become NaN.
@@ -142,16 +147,22 @@ def _temperature_tensor(temperature, n, device):
         if device.type == "cpu":                       # a CPU call: the values come to the host anyway
             temperature = temperature.cpu()
         on_host = temperature.device.type == "cpu"
-        t = temperature.to(dtype=torch.float32) if on_host else temperature.to(device=device, dtype=torch.float32)
-        ok = torch.isfinite(t) & (t > 0)
         if on_host:
-            if n and not bool(ok.all()):
-                raise ContractInputError(f"temperature must be finite and > 0 (as binary32); got "
-                                         f"{t[~ok][0].item()}")
-            return t.to(device=device).contiguous(), None
+            t = temperature if temperature.dtype == torch.float32 else temperature.to(dtype=torch.float32)
+        else:
+            t = temperature.to(device=device, dtype=torch.float32)
+        if on_host:
+            if n:
+                # one reduction: every value is finite and > 0 iff min > 0 and max < inf (a NaN makes both NaN)
+                lo, hi = torch.aminmax(t)
+                if not (float(lo) > 0 and float(hi) < math.inf):
+                    ok = torch.isfinite(t) & (t > 0)
+                    raise ContractInputError(f"temperature must be finite and > 0 (as binary32); got "
+                                             f"{t[~ok][0].item()}")
+            return (t if t.device == device else t.to(device=device)).contiguous(), None
         if not n:
             return t.contiguous(), None
-        bad = ~ok
+        bad = ~(torch.isfinite(t) & (t > 0))
         return t.masked_fill(bad, 1.0).contiguous(), bad
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ContractInputError(f"temperature must be a number or a tensor [N]; got {type(temperature).__name__}")
@@ -295,6 +306,7 @@ def _with_grad(forward, hidden, weight, bias, targets, temp, vocab_start, n_real
 
 
 _device_provenance: dict = {}
+_host_provenance: dict = {}
 
 
 def _resolve(backend, strict, device):
@@ -303,7 +315,13 @@ def _resolve(backend, strict, device):
     name = cfg.backend if backend is None else backend
     be, fallback = select_backend(name, device, strict)
     if be.name != "sm90":
-        return be, make_provenance(be, strict=strict, fallback=fallback)
+        # a host backend's record is what it describes (its build can change, e.g. a forced scalar path): built
+        # once per (backend, description, strict, fallback), not on every call
+        key = (be.name, tuple(be.describe().items()), strict, fallback)
+        prov = _host_provenance.get(key)
+        if prov is None:
+            prov = _host_provenance[key] = make_provenance(be, strict=strict, fallback=fallback)
+        return be, prov
     # the device backend's record depends on the device only: built once per (device, strict, fallback)
     key = (device, strict, fallback)
     prov = _device_provenance.get(key)
@@ -472,7 +490,7 @@ def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backe
     temp, bad_temp = _temperature_tensor(temperature, n, dev)
     be, prov = _resolve(backend, strict, dev)
     bad = _row_guard(dev, strict, bad_targets, bad_temp)
-    z = logits[:, :vocab_size].contiguous()
+    z = logits.contiguous() if vocab_size == logits.shape[1] else logits[:, :vocab_size].contiguous()
     if targets.dim() == 2 and not getattr(be, "multi_target", False):
         cols = [be.stats_from_logits(z, targets[:, c].contiguous(), temperature=temp, vocab_size=vocab_size)
                 for c in range(targets.shape[1])]
@@ -482,19 +500,26 @@ def logp_from_logits(logits, targets, *, temperature=1.0, vocab_size=None, backe
 
 
 _constant_rows: dict = {}
+_constant_row_views: dict = {}
 
 
 def _constant_row_values(kind, n, device):
     """[n] int64 zeros ('targets') or FP32 ones ('temperature') on `device`: slices of one buffer per device, made
     outside inference mode and never written (a serving engine asks for them every step)."""
+    rows = _constant_row_views.get((kind, device, n))
+    if rows is not None:
+        return rows
     key = (kind, device)
     buf = _constant_rows.get(key)
-    if buf is None or buf.shape[0] < n:
-        with torch.inference_mode(False):
+    with torch.inference_mode(False):
+        if buf is None or buf.shape[0] < n:
             size = max(n, 256 if buf is None else 2 * buf.shape[0])
             buf = _constant_rows[key] = (torch.zeros(size, dtype=torch.int64, device=device) if kind == "targets"
                                          else torch.ones(size, dtype=torch.float32, device=device))
-    return buf[:n]
+        if len(_constant_row_views) >= 4096:
+            _constant_row_views.clear()
+        rows = _constant_row_views[(kind, device, n)] = buf[:n]       # one view per row count, not one per call
+    return rows
 
 
 def logits_and_stats(hidden, weight, *, vocab_size=None, bias=None, backend=None, strict=None) -> ShardStats:

@@ -107,6 +107,8 @@ def toolchain_problem() -> str | None:
 
 def _build():
     global _ext, _ext_error
+    if _ext is not None or _ext_error is not None:     # built (or failed) already: no lock on every call
+        return
     with _lock:
         if _ext is not None or _ext_error is not None:
             return
@@ -139,6 +141,8 @@ def extension():
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and not t.requires_grad:     # already what the extension reads: no alias per call
+        return t
     return t.detach().cpu()
 
 

@@ -58,7 +58,8 @@ class FusedLogpLogitsProcessor(LogitsProcessor):
         st = self._fl_state
         if st is None or st.fallback is not None:
             return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
-        key = (id(lm_head), id(lm_head.weight), embedding_bias is None, bool(skip_gather))
+        weight = lm_head.weight
+        key = (id(lm_head), id(weight), embedding_bias is None, bool(skip_gather))
         if st.head_checked != key:                       # checked once per lm_head (and bias / gather mode)
             reasons = head_reasons(lm_head, embedding_bias, skip_gather)
             if reasons:
@@ -79,7 +80,7 @@ class FusedLogpLogitsProcessor(LogitsProcessor):
         si = lm_head.shard_indices
         n_real = si.num_org_elements
         h = hidden_states.reshape(-1, hidden_states.shape[-1])                  # [N, D] bf16
-        w = lm_head.weight[:n_real]                                             # [n_real, D] bf16
+        w = weight if weight.shape[0] == n_real else weight[:n_real]           # [n_real, D] bf16
         bias = None if embedding_bias is None else embedding_bias[:n_real]
         stats = None
         if lm_head.tp_size == 1 and st.settings.backend != "torch":     # the torch backend has no tile statistics

@@ -30,8 +30,19 @@ def all_unit_temperature(host_temperature) -> bool:
     (shared_contract.sampling.scoring_temperatures)."""
     if host_temperature is None:
         return False
-    t = torch.from_numpy(np.ascontiguousarray(host_temperature, dtype=np.float32))
-    return bool(scoring_temperatures(t, t.shape[0]).eq(GREEDY_SCORING_TEMPERATURE).all())
+    a = np.ascontiguousarray(host_temperature, dtype=np.float32)
+    key = a.tobytes()                     # a batch keeps its temperatures from step to step: decided once
+    unit = _UNIT_MEMO.get(key)
+    if unit is None:
+        t = torch.from_numpy(a.copy())
+        unit = bool(scoring_temperatures(t, t.shape[0]).eq(GREEDY_SCORING_TEMPERATURE).all())
+        if len(_UNIT_MEMO) >= 4096:
+            _UNIT_MEMO.clear()
+        _UNIT_MEMO[key] = unit
+    return unit
+
+
+_UNIT_MEMO: dict = {}                     # host temperature bytes -> all_unit_temperature (a pure function of them)
 
 
 def program_groups(programs, vocab: int) -> dict:
@@ -80,13 +91,14 @@ def _head_stats(mark: Mark, z: torch.Tensor):
 
 
 def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind="sample", programs=None,
-            unit_temperature: bool = False, record=None):
+            unit_temperature: bool = False, record=None, groups=None):
     """LogprobsTensors with every column replaced by the contract logp of its id (padding columns, -inf in
     vLLM's output, stay -inf). z [N, V] fp32 unscaled; temperature [N] fp32 (a tensor, or a callable returning
     it). A row whose program (programs[r]) is not neutral gets the program's logp instead, -inf for an id outside
     its kept set. unit_temperature: every row's scoring temperature is known (on the host) to be 1; the columns
     are then read from the head call's own statistics (logp_of_ids, the same bytes) instead of a second pass over
-    the row. record: the (request id, program) pairs to record for the programs RPC (default: every row's)."""
+    the row. record: the (request id, program) pairs to record for the programs RPC (default: every row's).
+    groups: program_groups(programs, V) where the caller has it already."""
     st = mark.state
     if lt is None:
         return lt
@@ -107,12 +119,13 @@ def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind=
             temperature = temperature()
         new = logp_from_logits(z, ids64, temperature=temperature, vocab_size=z.shape[1],
                                backend=st.settings.backend, strict=st.settings.strict).logp
-    for prog, rows in program_groups(programs, z.shape[1]).items():
+    for prog, rows in (program_groups(programs, z.shape[1]) if groups is None else groups).items():
         idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
         lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
                                                vocab_size=z.shape[1], require_kept=False)
         new[idx] = torch.where(kept, lp, torch.full_like(lp, float("-inf"))).to(new.device)
-    new = new.to(old.device)
+    if new.device != old.device:
+        new = new.to(old.device)
     new = torch.where(torch.isneginf(old), old, new)
     st.rows_rescored += int(new.shape[0])
     if record is not None:

@@ -13,17 +13,59 @@ import torch
 from .policy import warn_once_per_kind
 from .settings import PluginSettings
 
-# Set by the V1 runner's _sample wrapper: the request id and transform program of every sampler row.
-ROW_REQS: contextvars.ContextVar = contextvars.ContextVar("fused_logp_rows", default=None)
-ROW_PROGRAMS: contextvars.ContextVar = contextvars.ContextVar("fused_logp_programs", default=None)
-# Set by the V1 runner's _sample wrapper: vLLM's host copy of every sampler row's sampling temperature (numpy).
-ROW_HOST_TEMPERATURE: contextvars.ContextVar = contextvars.ContextVar("fused_logp_host_temperature", default=None)
+# Set by the V1 runner's _sample wrapper: the RowBatch of the rows it samples (request ids, programs, vLLM's host
+# copy of their sampling temperatures); None outside it (vLLM's dummy sampler runs).
+ROW_BATCH: contextvars.ContextVar = contextvars.ContextVar("fused_logp_row_batch", default=None)
 # Set by the V1 sampler wrapper around vLLM's forward: the kept-set mask Sampler.sample applies.
 SAMPLE_KEEP: contextvars.ContextVar = contextvars.ContextVar("fused_logp_keep", default=None)
 # Set by the prompt-logprob wrappers; the head leaves its last logits there.
 PROMPT_CTX: contextvars.ContextVar = contextvars.ContextVar("fused_logp_prompt", default=None)
 
 PROGRAMS_KEPT = 65536                 # newest request programs kept for the fused_logp_programs RPC
+
+
+_NOT_RECORDED = (None, -1)
+
+
+class RowBatch:
+    """The rows of a V1 runner's batch as the sampler wrapper needs them, built once per batch composition (the
+    request ids in row order) and reused by every step that keeps it: a request's program is fixed for its life,
+    so the per-row programs, the program groups and whether every row has a program are computed once, not per
+    step. `host_temperature` (vLLM's host copy of the rows' sampling temperatures) is set on every step.
+    `recorded` is the (head state, programs-RPC epoch) at which these rows' programs were last recorded: they are
+    recorded once per epoch, not on every step."""
+
+    __slots__ = ("req_ids", "programs", "all_programs", "host_temperature", "recorded", "_groups")
+
+    def __init__(self, req_ids: list, programs: list | None):
+        self.req_ids = req_ids
+        self.programs = programs
+        self.all_programs = programs is not None and all(p is not None for p in programs)
+        self.host_temperature = None
+        self.recorded = _NOT_RECORDED
+        self._groups: dict = {}
+
+    def same_rows(self, req_ids, with_programs: bool) -> bool:
+        return (self.programs is not None) == with_programs and self.req_ids == req_ids
+
+    def groups(self, vocab: int, program_groups) -> dict:
+        """program_groups(self.programs, vocab), computed once per vocabulary size."""
+        g = self._groups.get(vocab)
+        if g is None:
+            g = self._groups[vocab] = program_groups(self.programs, vocab)
+        return g
+
+    def to_record(self, st) -> tuple | None:
+        """The (request ids, programs) to record for the programs RPC at this step: all rows once per (head,
+        epoch), then nothing until the programs RPC drains them (None: no programs)."""
+        if self.programs is None:
+            return None
+        if self.recorded[0] is st and self.recorded[1] == st.programs_epoch:
+            return [], []
+        return self.req_ids, self.programs
+
+    def mark_recorded(self, st) -> None:
+        self.recorded = (st, st.programs_epoch)
 
 
 @dataclasses.dataclass

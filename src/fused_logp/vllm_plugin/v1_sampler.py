@@ -15,26 +15,35 @@ import torch
 
 from .policy import transform_program
 from .scoring import all_unit_temperature, check_sampled, effective_temperature, kept_rows, program_groups, rescore
-from .state import ROW_HOST_TEMPERATURE, ROW_PROGRAMS, ROW_REQS, SAMPLE_KEEP, mark_of
+from .state import ROW_BATCH, SAMPLE_KEEP, RowBatch, mark_of
+
+
+_MIN_P_CLASS = []                     # vLLM's MinPLogitsProcessor class, imported once
 
 
 def _min_p(md):
-    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-
+    if not _MIN_P_CLASS:
+        from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+        _MIN_P_CLASS.append(MinPLogitsProcessor)
+    cls = _MIN_P_CLASS[0]
     for proc in md.logitsprocs.argmax_invariant:
-        if isinstance(proc, MinPLogitsProcessor):
+        if isinstance(proc, cls):
             return proc
     return None
 
 
-def non_contract_flags(md) -> list[str]:
-    """What vLLM will apply to this batch that the contract does not replay."""
+def non_contract_flags(md, all_programs: bool = False) -> list[str]:
+    """What vLLM will apply to this batch that the contract does not replay. all_programs: every row of the batch
+    has a transform program and `md` is neutralised for its program rows, so vLLM's min-p is 0 on every row (a row
+    with a program has min-p only if its program does, which makes it a program row) and its per-row tensor is not
+    read (a reduction and, on a GPU, a synchronisation per step)."""
     r = []
     if not md.all_greedy and (md.top_k is not None or md.top_p is not None):
         r.append("top-k/top-p")
-    mp = _min_p(md)
-    if not md.all_greedy and mp is not None and mp.min_p_count and bool((mp.min_p != 0).any()):
-        r.append("min-p")
+    if not md.all_greedy and not all_programs:
+        mp = _min_p(md)
+        if mp is not None and mp.min_p_count and bool((mp.min_p != 0).any()):
+            r.append("min-p")
     if not md.no_penalties:
         r.append("penalties")
     if md.bad_words_token_ids:
@@ -82,19 +91,21 @@ def install_sampler() -> None:
         if mark is None:
             return orig_forward(self, logits, sampling_metadata, *args, **kwargs)
         md = sampling_metadata
-        programs = ROW_PROGRAMS.get()
-        if programs is not None and len(programs) != logits.shape[0]:
-            if program_groups(programs, logits.shape[1]):
-                raise RuntimeError(f"fused_logp: {logits.shape[0]} sampler rows for {len(programs)} requests; "
+        rb = ROW_BATCH.get()                          # None: vLLM's dummy sampler run at start-up
+        n, vocab = logits.shape
+        programs = None if rb is None else rb.programs
+        groups = {} if programs is None else rb.groups(vocab, program_groups)
+        if programs is not None and len(programs) != n:
+            if groups:
+                raise RuntimeError(f"fused_logp: {n} sampler rows for {len(programs)} requests; "
                                    f"transform programs cannot be mapped to rows")
             programs = None
-        groups = program_groups(programs, logits.shape[1])
         keep = kept_rows(logits, groups)              # on the unscaled FP32 logits, before vLLM touches them
         restore = None
         if keep is not None:
-            md, restore = neutralise(md, groups, logits.shape[1])
-        if ROW_REQS.get() is not None:                # not vLLM's dummy sampler run at start-up
-            mark.state.note(non_contract_flags(md))
+            md, restore = neutralise(md, groups, vocab)
+        if rb is not None:
+            mark.state.note(non_contract_flags(md, all_programs=programs is not None and rb.all_programs))
         want = md.max_num_logprobs is not None or bool(md.logprob_token_ids)
         z = logits.clone() if want else None          # the sampler divides FP32 logits by T in place
         token = SAMPLE_KEEP.set(keep)
@@ -107,12 +118,16 @@ def install_sampler() -> None:
         if keep is not None:
             check_sampled(keep, out.sampled_token_ids[:, 0], groups, mark)
         if want and out.logprobs_tensors is not None:
-            host_t = ROW_HOST_TEMPERATURE.get()
-            unit = bool(md.all_greedy) or (host_t is not None and len(host_t) == z.shape[0]
-                                           and all_unit_temperature(host_t))
+            host_t = None if rb is None else rb.host_temperature
+            unit = bool(md.all_greedy) or (host_t is not None and len(host_t) == n and all_unit_temperature(host_t))
+            st = mark.state
+            record = None if programs is None else rb.to_record(st)
             out.logprobs_tensors = rescore(out.logprobs_tensors, z,
-                                           lambda: effective_temperature(md.temperature, z.shape[0], z.device),
-                                           mark, req_ids=ROW_REQS.get(), programs=programs, unit_temperature=unit)
+                                           lambda: effective_temperature(md.temperature, n, z.device),
+                                           mark, req_ids=None if rb is None else rb.req_ids, programs=programs,
+                                           unit_temperature=unit, record=record, groups=groups)
+            if record is not None:
+                rb.mark_recorded(st)
         return out
 
     @functools.wraps(orig_sample)
@@ -153,19 +168,22 @@ def install_runner() -> None:
     def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
         if mark_of(logits) is None:
             return orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
-        req_ids = list(self.input_batch.req_ids)
-        programs = [_program_of(self.requests.get(r)) for r in req_ids]
-        token = ROW_REQS.set(req_ids)
-        ptoken = ROW_PROGRAMS.set(None if spec_decode_metadata is not None else programs)
+        ib = self.input_batch
+        req_ids = ib.req_ids
+        with_programs = spec_decode_metadata is None
+        rb = self.__dict__.get("_fused_logp_rows")
+        if rb is None or not rb.same_rows(req_ids, with_programs):     # the batch changed: once per composition
+            req_ids = list(req_ids)
+            rb = self.__dict__["_fused_logp_rows"] = RowBatch(
+                req_ids, [_program_of(self.requests.get(r)) for r in req_ids] if with_programs else None)
         # vLLM's host copy of the rows' sampling temperatures (its source of truth for the batch)
-        host_t = getattr(self.input_batch, "temperature_cpu", None)
-        ttoken = ROW_HOST_TEMPERATURE.set(None if host_t is None or spec_decode_metadata is not None
-                                          else host_t[: len(req_ids)].copy())
+        host_t = getattr(ib, "temperature_cpu", None)
+        rb.host_temperature = None if host_t is None or not with_programs else host_t[: len(rb.req_ids)]
+        token = ROW_BATCH.set(rb)
         try:
             return orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
         finally:
-            ROW_HOST_TEMPERATURE.reset(ttoken)
-            ROW_PROGRAMS.reset(ptoken)
-            ROW_REQS.reset(token)
+            ROW_BATCH.reset(token)
+            rb.host_temperature = None
 
     GPUModelRunner._sample = _sample
