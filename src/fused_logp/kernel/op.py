@@ -144,7 +144,7 @@ def _temperature_tensor(temperature, n, device):
                                      f"{tuple(temperature.shape)}")
         if not temperature.is_floating_point():
             raise ContractInputError(f"temperature must be a floating tensor; got {temperature.dtype}")
-        if device.type == "cpu":                       # a CPU call: the values come to the host anyway
+        if device.type == "cpu" and temperature.device.type != "cpu":    # a CPU call: the values come to the host
             temperature = temperature.cpu()
         on_host = temperature.device.type == "cpu"
         if on_host:
