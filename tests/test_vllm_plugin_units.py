@@ -358,3 +358,20 @@ def test_cpu_argument_checks_refuse_as_before(dtype):
     b = logp_from_logits(z, ok.to(torch.int64), temperature=t.to(torch.float64), backend="oracle")
     assert torch.equal(a.logp.view(torch.int32), b.logp.view(torch.int32))
     assert a.provenance.backend == "oracle-fast" and b.provenance.backend == "oracle"
+
+
+def test_host_scoring_temperature_equals_effective_temperature():
+    """The V1 wrapper's per-row scoring temperature from vLLM's host copy: the bytes of effective_temperature on
+    the same values (greedy rows at 1, the SAMPLING_EPS boundary in binary32), made once per batch and reused."""
+    import numpy as np
+
+    from fused_logp.vllm_plugin.scoring import effective_temperature, host_scoring_temperature
+
+    for vals in ([0.7, 0.0, 1.3, 1e-6], [1.0, 1e-5, 9.9e-6, 2.5], [0.7]):
+        a = np.array(vals, dtype=np.float32)
+        want = effective_temperature(torch.from_numpy(a.copy()), len(vals), "cpu")
+        got = host_scoring_temperature(a, torch.device("cpu"))
+        assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert host_scoring_temperature(a.copy(), torch.device("cpu")) is got
+        a[0] = 0.5                                              # other values: another tensor, not a stale one
+        assert host_scoring_temperature(a, torch.device("cpu"))[0] == 0.5 and got[0] == want[0]

@@ -45,6 +45,27 @@ def all_unit_temperature(host_temperature) -> bool:
 _UNIT_MEMO: dict = {}                     # host temperature bytes -> all_unit_temperature (a pure function of them)
 
 
+def host_scoring_temperature(host_temperature, device) -> torch.Tensor:
+    """effective_temperature of the engine's host copy of the rows' sampling temperatures (a numpy array), as an
+    FP32 tensor [n] on `device`: the same values as effective_temperature of the engine's per-row temperature
+    tensor where that tensor is a copy of the host array (vLLM V1: InputBatch.temperature is copied from
+    temperature_cpu). Computed once per (bytes, device) and reused by every step of the batch (no torch operation
+    per step); the tensor is never written."""
+    a = np.ascontiguousarray(host_temperature, dtype=np.float32)
+    key = (a.tobytes(), str(device))
+    t = _TEMPERATURE_MEMO.get(key)
+    if t is None:
+        with torch.inference_mode(False):
+            t = effective_temperature(torch.from_numpy(a.copy()), a.shape[0], device)
+        if len(_TEMPERATURE_MEMO) >= 4096:
+            _TEMPERATURE_MEMO.clear()
+        _TEMPERATURE_MEMO[key] = t
+    return t
+
+
+_TEMPERATURE_MEMO: dict = {}              # (host temperature bytes, device) -> host_scoring_temperature
+
+
 def program_groups(programs, vocab: int) -> dict:
     """{program: [row, ...]} for the rows whose program is not neutral over `vocab` tokens."""
     groups: dict = {}

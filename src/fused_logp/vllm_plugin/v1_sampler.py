@@ -14,7 +14,8 @@ import functools
 import torch
 
 from .policy import transform_program
-from .scoring import all_unit_temperature, check_sampled, effective_temperature, kept_rows, program_groups, rescore
+from .scoring import (all_unit_temperature, check_sampled, effective_temperature, host_scoring_temperature, kept_rows,
+                      program_groups, rescore)
 from .state import ROW_BATCH, SAMPLE_KEEP, RowBatch, mark_of
 
 
@@ -119,11 +120,16 @@ def install_sampler() -> None:
             check_sampled(keep, out.sampled_token_ids[:, 0], groups, mark)
         if want and out.logprobs_tensors is not None:
             host_t = None if rb is None else rb.host_temperature
-            unit = bool(md.all_greedy) or (host_t is not None and len(host_t) == n and all_unit_temperature(host_t))
+            if host_t is not None and len(host_t) == n:
+                unit = bool(md.all_greedy) or all_unit_temperature(host_t)
+                # md.temperature is vLLM's copy of these host values (InputBatch._make_sampling_metadata)
+                temperature = functools.partial(host_scoring_temperature, host_t, z.device)
+            else:
+                unit = bool(md.all_greedy)
+                temperature = functools.partial(effective_temperature, md.temperature, n, z.device)
             st = mark.state
             record = None if programs is None else rb.to_record(st)
-            out.logprobs_tensors = rescore(out.logprobs_tensors, z,
-                                           lambda: effective_temperature(md.temperature, n, z.device),
+            out.logprobs_tensors = rescore(out.logprobs_tensors, z, temperature,
                                            mark, req_ids=None if rb is None else rb.req_ids, programs=programs,
                                            unit_temperature=unit, record=record, groups=groups)
             if record is not None:
