@@ -4,8 +4,14 @@ After vLLM samples, every logprob column (sampled token in column 0, top-k or re
 by the contract logp of that id at the row's scoring temperature, computed from the head's FP32 logits. V1 divides
 FP32 logits by T in place, so they are cloned first. A request with a transform program is sampled from its kept
 set: vLLM's top-k / top-p / min-p are turned off for that row and every logit outside the set is -inf before
-vLLM's greedy / temperature / draw (Sampler.sample). The runner's `_sample` wrapper publishes each row's request
-id and program."""
+vLLM's greedy / temperature / draw (Sampler.sample). The runner's `_sample` wrapper publishes the batch's rows
+(state.RowBatch: request ids, programs, vLLM's host copy of the rows' temperatures).
+
+Per step the wrappers do no per-row Python work while the batch is unchanged: the RowBatch (programs, program
+groups) is built when the request ids in row order change, the programs are recorded for the programs RPC once per
+RPC drain, whether every row is scored at T = 1 and the rows' scoring temperatures are decided once per distinct
+host temperature values, and vLLM's min-p tensor is not read when every row has a program (the wrapper has
+neutralised it)."""
 from __future__ import annotations
 
 import dataclasses
