@@ -19,11 +19,29 @@ HERE = Path(__file__).resolve().parent
 N_REQ, N_TOK = 16, 32
 
 
-def _one(mode: str, model_dir: str) -> dict:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def timed_then_profiled(llm, prompts, params, rounds: int = 3):
+    """One warm-up generate(), `rounds` timed ones, then one under cProfile: (the timed runs' seconds in order, the
+    profiled run's wall seconds, its pstats.Stats). Shared with bench/vllm_cpu_step_split.py."""
     import cProfile
     import pstats
 
+    llm.generate(prompts, params, use_tqdm=False)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    prof = cProfile.Profile()
+    prof.enable()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    prof.disable()
+    return times, wall, pstats.Stats(prof)
+
+
+def _one(mode: str, model_dir: str) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sys.path.insert(0, str(HERE.parent / "tests"))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -37,21 +55,9 @@ def _one(mode: str, model_dir: str) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 1000 for j in range(8)]) for i in range(N_REQ)]
     params = [SamplingParams(temperature=1.0, max_tokens=N_TOK, logprobs=1, seed=i, ignore_eos=True)
               for i in range(N_REQ)]
-    llm.generate(prompts, params, use_tqdm=False)                      # warm-up (compiles the rank helper)
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - t)
+    times, wall, st = timed_then_profiled(llm, prompts, params)    # the warm-up compiles the rank helper
     times.sort()
     res = {"mode": mode, "tok_s": round(N_REQ * N_TOK / times[1], 1), "times_s": [round(x, 3) for x in times]}
-    prof = cProfile.Profile()
-    prof.enable()
-    t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t
-    prof.disable()
-    st = pstats.Stats(prof)
     split = {}
     for (file, _line, name), (_cc, _nc, _tt, ct, _callers) in st.stats.items():
         key = None

@@ -16,7 +16,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -56,9 +55,6 @@ def main():
     ap.add_argument("--top", type=int, default=0, help="also print the N project functions of most own time")
     a = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import cProfile
-    import pstats
-
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,6 +63,7 @@ def main():
 
     from fused_logp.vllm_plugin import register
     from fused_logp_jobs.tiny_model import VLLM_ENGINE_KW, make_tiny_qwen3
+    from vllm_cpu_profile import timed_then_profiled
 
     register()
     model = make_tiny_qwen3(Path(tempfile.mkdtemp()) / "model")
@@ -78,19 +75,8 @@ def main():
                for _ in range(SEQS)]
     params = [SamplingParams(max_tokens=TOKENS, temperature=0.7, logprobs=1, seed=i, ignore_eos=True)
               for i in range(SEQS)]
-    llm.generate(prompts, params, use_tqdm=False)                              # warm-up
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-    prof = cProfile.Profile()
-    prof.enable()
-    t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t
-    prof.disable()
-    stats = pstats.Stats(prof).stats
+    times, wall, profile = timed_then_profiled(llm, prompts, params)
+    stats = profile.stats
     per = {}
     steps = 0
     for key, suffix, name in ENTRIES:
