@@ -85,15 +85,12 @@ def rule_points(out: str) -> None:
     from fused_logp.kernel.oracle import hopper_logits
 
     from edge_inputs import RULE_POINTS as points
+    from edge_inputs import point_operands
 
     rows = {}
     for name, (hv, wv) in points.items():
-        k = -(-len(hv) // 16) * 16
-        h = torch.zeros(1, k, dtype=torch.float64)
-        w = torch.zeros(1, k, dtype=torch.float64)
-        h[0, :len(hv)] = torch.tensor(hv, dtype=torch.float64)
-        w[0, :len(wv)] = torch.tensor(wv, dtype=torch.float64)
-        hb, wb = h.float().bfloat16(), w.float().bfloat16()
+        hb, wb = point_operands(hv, wv)
+        k = hb.shape[1]
         # 64 identical rows and columns: a shape cuBLAS serves with its usual tensor-core kernel
         hc, wc = hb.expand(64, k).contiguous().cuda(), wb.expand(64, k).contiguous().cuda()
         hw = int(torch.mm(hc, wc.t(), out_dtype=torch.float32).cpu().view(torch.int32)[0, 0]) & 0xFFFFFFFF

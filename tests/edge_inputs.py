@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from helpers import same_bytes
 
 INF_BITS, NAN_BITS = 0x7F80, 0x7FC0
 
@@ -294,6 +295,18 @@ def make_case(name: str, seed: int, n: int = 64, v: int = 256):
 # hand-built single dot products, one per sentence of CONTRACT.md section 2 (floats exact in bf16; K padded
 # with zeros to a multiple of 16). Their H200 bits: tests/data/rule-points-h200.json.
 # ---------------------------------------------------------------------------------------------------------
+
+def point_operands(h_vals, w_vals, k: int | None = None):
+    """One dot product given as float lists (each value exact in bf16, e.g. a RULE_POINTS entry) as (hidden [1, k],
+    weight [1, k]) bf16, zero-padded to k columns (default: len(h_vals) rounded up to whole k16 groups)."""
+    k = -(-len(h_vals) // 16) * 16 if k is None else k
+    h, w = torch.zeros(1, k), torch.zeros(1, k)
+    h[0, :len(h_vals)] = torch.tensor(h_vals, dtype=torch.float64).float()
+    w[0, :len(w_vals)] = torch.tensor(w_vals, dtype=torch.float64).float()
+    hb, wb = h.bfloat16(), w.bfloat16()
+    assert same_bytes(hb.float(), h) and same_bytes(wb.float(), w), "inputs must be exact in bf16"
+    return hb, wb
+
 
 _BIG = (2 - 2.0 ** -7) * 2.0 ** 127
 _INF, _NAN = float("inf"), float("nan")

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import gemm_reference as ref
 from cpu_backends import configured, hopper_logits
+from edge_inputs import point_operands
 from helpers import same_bytes
 
 from fused_logp import linear_logp
@@ -86,13 +87,7 @@ def test_reference_equals_h200_bytes_on_a_sample():
 
 def _logit(h_vals, w_vals) -> int:
     """Oracle and reference on one dot product given as float lists (exact in bf16); both must agree."""
-    k = -(-len(h_vals) // 16) * 16
-    h = torch.zeros(1, k)
-    w = torch.zeros(1, k)
-    h[0, :len(h_vals)] = torch.tensor(h_vals, dtype=torch.float64).float()
-    w[0, :len(w_vals)] = torch.tensor(w_vals, dtype=torch.float64).float()
-    hb, wb = h.bfloat16(), w.bfloat16()
-    assert same_bytes(hb.float(), h) and same_bytes(wb.float(), w), "inputs must be exact in bf16"
+    hb, wb = point_operands(h_vals, w_vals)                 # asserts the inputs are exact in bf16
     got = int(_bits(hopper_logits(hb, wb))[0, 0])
     want = ref.dot_bits(_bits16(hb)[0].tolist(), _bits16(wb)[0].tolist())
     assert got == want, f"{configured()} {got:#010x} != reference {want:#010x}"

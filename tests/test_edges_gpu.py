@@ -127,18 +127,15 @@ def test_kernel_equals_oracle_on_property_draws():
 def test_kernel_on_the_rule_points():
     """The hand-built points (one per sentence of CONTRACT.md section 2) give the kernel the H200 bits that cuBLAS
     gave (tests/data/rule-points-h200.json) and the oracle gives."""
-    from edge_inputs import RULE_POINTS
+    from edge_inputs import RULE_POINTS, point_operands
 
     with open(os.path.join(HERE, "data", "rule-points-h200.json")) as f:
         h200 = json.load(f)["h200_bits"]
     bad = []
     for name, (hv, wv) in RULE_POINTS.items():
-        k = -(-len(hv) // 16) * 16
-        h = torch.zeros(1, k, dtype=torch.float64)
-        w = torch.zeros(1, k, dtype=torch.float64)
-        h[0, :len(hv)] = torch.tensor(hv, dtype=torch.float64)
-        w[0, :len(wv)] = torch.tensor(wv, dtype=torch.float64)
-        h, w = h.float().bfloat16().expand(4, k).contiguous(), w.float().bfloat16().expand(64, k).contiguous()
+        h, w = point_operands(hv, wv)
+        k = h.shape[1]
+        h, w = h.expand(4, k).contiguous(), w.expand(64, k).contiguous()
         t = torch.zeros(4, dtype=torch.int64)
         got = linear_logp(h.cuda(), w.cuda(), t.cuda(), return_logits=True, backend="sm90").logits.cpu()
         orc = linear_logp(h, w, t, return_logits=True, backend="oracle").logits

@@ -457,15 +457,13 @@ def test_rule_points_equal_h200(path):
     (tests/data/rule-points-h200.json), on both GEMM paths."""
     import json
 
-    from edge_inputs import RULE_POINTS
+    from edge_inputs import RULE_POINTS, point_operands
     with open(os.path.join(os.path.dirname(_H200), "rule-points-h200.json")) as f:
         h200 = json.load(f)["h200_bits"]
     k = 16 * max(-(-max(len(hv), len(wv)) // 16) for hv, wv in RULE_POINTS.values())
     for name, (hv, wv) in sorted(RULE_POINTS.items()):
-        h, w = torch.zeros(1, k), torch.zeros(1, k)
-        h[0, :len(hv)] = torch.tensor(hv, dtype=torch.float64).float()
-        w[0, :len(wv)] = torch.tensor(wv, dtype=torch.float64).float()
-        one = FAST.logits(h.bfloat16(), w.bfloat16(), 1)
+        h, w = point_operands(hv, wv, k)
+        one = FAST.logits(h, w, 1)
         assert (one.view(torch.int32).item() & 0xFFFFFFFF) == int(h200[name], 16), name
 
 
