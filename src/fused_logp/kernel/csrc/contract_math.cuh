@@ -41,12 +41,16 @@ __device__ __forceinline__ float bits(uint32_t b) { return __int_as_float(static
 // 2^n for integer n in [-126, 127], exact.
 __device__ __forceinline__ float pow2i(int n) { return __int_as_float((n + 127) << 23); }
 
-// exp(x): exp(0) = 1 exactly, exp(-inf) = 0, exp(NaN) = NaN.
-__device__ __forceinline__ float contract_exp(float x) {
-  const float xmax = bits(EXP_X_MAX), xmin = bits(EXP_X_MIN);
-  float xc = fminf(fmaxf(x, xmin), xmax);
-  float k = __fsub_rn(__fadd_rn(__fmul_rn(xc, bits(EXP_LOG2E)), bits(EXP_SHIFTER)), bits(EXP_SHIFTER));
-  float r = __fsub_rn(__fsub_rn(xc, __fmul_rn(k, bits(EXP_LN2_HI))), __fmul_rn(k, bits(EXP_LN2_LO)));
+// The steps every exp variant shares, on an already clamped argument xc: t = xc * LOG2E + SHIFTER, k = t - SHIFTER
+// (round(xc * LOG2E) as a float), the two-part reduction r = xc - k LN2_HI - k LN2_LO and the degree-7 polynomial
+// p ~ exp(r). The variants differ only in the clamp before and the 2^k scaling after.
+struct ExpReduced {
+  float t, k, p;
+};
+__device__ __forceinline__ ExpReduced exp_reduce(float xc) {
+  const float t = __fadd_rn(__fmul_rn(xc, bits(EXP_LOG2E)), bits(EXP_SHIFTER));
+  const float k = __fsub_rn(t, bits(EXP_SHIFTER));
+  const float r = __fsub_rn(__fsub_rn(xc, __fmul_rn(k, bits(EXP_LN2_HI))), __fmul_rn(k, bits(EXP_LN2_LO)));
   float p = __fadd_rn(bits(EXP_POLY_C6), __fmul_rn(r, bits(EXP_POLY_C7)));
   p = __fadd_rn(bits(EXP_POLY_C5), __fmul_rn(r, p));
   p = __fadd_rn(bits(EXP_POLY_C4), __fmul_rn(r, p));
@@ -54,10 +58,21 @@ __device__ __forceinline__ float contract_exp(float x) {
   p = __fadd_rn(bits(EXP_POLY_C2), __fmul_rn(r, p));
   p = __fadd_rn(1.0f, __fmul_rn(r, p));
   p = __fadd_rn(1.0f, __fmul_rn(r, p));
-  int n = __float2int_rz(k);
-  int n1 = n >> 1;  // floor(n/2)
-  int n2 = n - n1;
-  float y = __fmul_rn(__fmul_rn(p, pow2i(n1)), pow2i(n2));
+  return {t, k, p};
+}
+
+// p * 2^n for n = k, as two multiplies by powers of two (n split in halves so that each is a normal float).
+__device__ __forceinline__ float exp_scale(const ExpReduced& e) {
+  const int n = __float2int_rz(e.k);
+  const int n1 = n >> 1;  // floor(n/2)
+  const int n2 = n - n1;
+  return __fmul_rn(__fmul_rn(e.p, pow2i(n1)), pow2i(n2));
+}
+
+// exp(x): exp(0) = 1 exactly, exp(-inf) = 0, exp(NaN) = NaN.
+__device__ __forceinline__ float contract_exp(float x) {
+  const float xmax = bits(EXP_X_MAX), xmin = bits(EXP_X_MIN);
+  float y = exp_scale(exp_reduce(fminf(fmaxf(x, xmin), xmax)));
   y = (x > xmax) ? __int_as_float(0x7F800000) : y;
   y = (x < xmin) ? 0.0f : y;
   y = (x != x) ? x : y;
@@ -68,20 +83,7 @@ __device__ __forceinline__ float contract_exp(float x) {
 // selects that cannot fire there (x > EXP_X_MAX, NaN) and with the clamp reduced to its lower end.
 __device__ __forceinline__ float contract_exp_nonpos(float x) {
   const float xmin = bits(EXP_X_MIN);
-  float xc = fmaxf(x, xmin);
-  float k = __fsub_rn(__fadd_rn(__fmul_rn(xc, bits(EXP_LOG2E)), bits(EXP_SHIFTER)), bits(EXP_SHIFTER));
-  float r = __fsub_rn(__fsub_rn(xc, __fmul_rn(k, bits(EXP_LN2_HI))), __fmul_rn(k, bits(EXP_LN2_LO)));
-  float p = __fadd_rn(bits(EXP_POLY_C6), __fmul_rn(r, bits(EXP_POLY_C7)));
-  p = __fadd_rn(bits(EXP_POLY_C5), __fmul_rn(r, p));
-  p = __fadd_rn(bits(EXP_POLY_C4), __fmul_rn(r, p));
-  p = __fadd_rn(bits(EXP_POLY_C3), __fmul_rn(r, p));
-  p = __fadd_rn(bits(EXP_POLY_C2), __fmul_rn(r, p));
-  p = __fadd_rn(1.0f, __fmul_rn(r, p));
-  p = __fadd_rn(1.0f, __fmul_rn(r, p));
-  int n = __float2int_rz(k);
-  int n1 = n >> 1;
-  int n2 = n - n1;
-  float y = __fmul_rn(__fmul_rn(p, pow2i(n1)), pow2i(n2));
+  const float y = exp_scale(exp_reduce(fmaxf(x, xmin)));
   return (x < xmin) ? 0.0f : y;
 }
 
@@ -93,18 +95,9 @@ __device__ __forceinline__ float contract_exp_nonpos(float x) {
 // qualifies (FAST_EXP_MIN below), else contract_exp_nonpos.
 constexpr float FAST_EXP_MIN = -87.0f;   // -87 * LOG2E = -125.5..: n >= -126
 __device__ __forceinline__ float contract_exp_fast(float x) {
-  const float t = __fadd_rn(__fmul_rn(x, bits(EXP_LOG2E)), bits(EXP_SHIFTER));
-  const float k = __fsub_rn(t, bits(EXP_SHIFTER));
-  const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(k, bits(EXP_LN2_HI))), __fmul_rn(k, bits(EXP_LN2_LO)));
-  float p = __fadd_rn(bits(EXP_POLY_C6), __fmul_rn(r, bits(EXP_POLY_C7)));
-  p = __fadd_rn(bits(EXP_POLY_C5), __fmul_rn(r, p));
-  p = __fadd_rn(bits(EXP_POLY_C4), __fmul_rn(r, p));
-  p = __fadd_rn(bits(EXP_POLY_C3), __fmul_rn(r, p));
-  p = __fadd_rn(bits(EXP_POLY_C2), __fmul_rn(r, p));
-  p = __fadd_rn(1.0f, __fmul_rn(r, p));
-  p = __fadd_rn(1.0f, __fmul_rn(r, p));
-  const uint32_t scale = (static_cast<uint32_t>(__float_as_int(t)) << 23) + 0x3F800000u;
-  return __fmul_rn(p, __int_as_float(static_cast<int>(scale)));
+  const ExpReduced e = exp_reduce(x);
+  const uint32_t scale = (static_cast<uint32_t>(__float_as_int(e.t)) << 23) + 0x3F800000u;
+  return __fmul_rn(e.p, __int_as_float(static_cast<int>(scale)));
 }
 
 // log(x): log(1) = 0 exactly, log(0) = -inf, log(+inf) = +inf, log(x < 0) = log(NaN) = NaN.
