@@ -305,8 +305,7 @@ def _with_grad(forward, hidden, weight, bias, targets, temp, vocab_start, n_real
     return LogpResult(logp, lse, None, box[0].provenance)
 
 
-_device_provenance: dict = {}
-_host_provenance: dict = {}
+_provenance: dict = {}
 
 
 def _resolve(backend, strict, device):
@@ -314,19 +313,14 @@ def _resolve(backend, strict, device):
     strict = cfg.strict if strict is None else bool(strict)
     name = cfg.backend if backend is None else backend
     be, fallback = select_backend(name, device, strict)
-    if be.name != "sm90":
-        # a host backend's record is what it describes (its build can change, e.g. a forced scalar path): built
-        # once per (backend, description, strict, fallback), not on every call
-        key = (be.name, tuple(be.describe().items()), strict, fallback)
-        prov = _host_provenance.get(key)
-        if prov is None:
-            prov = _host_provenance[key] = make_provenance(be, strict=strict, fallback=fallback)
-        return be, prov
-    # the device backend's record depends on the device only: built once per (device, strict, fallback)
-    key = (device, strict, fallback)
-    prov = _device_provenance.get(key)
+    # a backend's record is built once per (backend, what it depends on, strict, fallback), not on every call: the
+    # device backend's depends on the device only; a host backend's is what it describes (its build can change, e.g.
+    # a forced scalar path)
+    depends = device if be.name == "sm90" else tuple(be.describe().items())
+    key = (be.name, depends, strict, fallback)
+    prov = _provenance.get(key)
     if prov is None:
-        prov = _device_provenance[key] = make_provenance(be, strict=strict, fallback=fallback)
+        prov = _provenance[key] = make_provenance(be, strict=strict, fallback=fallback)
     return be, prov
 
 
