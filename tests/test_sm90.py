@@ -349,3 +349,62 @@ def test_unknown_launch_is_refused(be, cgen):
                            vocab_size=128)
     finally:
         be.launch = "auto"
+
+
+@pytest.mark.parametrize("n,d,v,pad", [(1, 4096, 151936, 64), (7, 256, 4000 + 33, 30), (300, 512, 9000, 0)])
+def test_serving_head_and_merge_of_ids(be, cgen, n, d, v, pad):
+    """The serving entries: logits_and_stats (one launch) gives the bytes of shard_tile_stats at T = 1 with targets
+    0; merge_ids (one launch) gives, for int64 and int32 ids [N], [N, C] and strided [N, C], the bytes of the merge
+    after a gather (logp_from_logits at T = 1) and of the trainer's linear_logp; a row with an id outside the
+    vocabulary is NaN and counted, and the next check names targets."""
+    from fused_logp import linear_logp, logp_from_logits, shard_tile_stats
+    from fused_logp.kernel.op import check_input_errors, logits_and_stats, logp_of_ids
+    from fused_logp.shared_contract.errors import ContractInputError
+
+    h, w, _, b = make_inputs(cgen, n, d, v + pad, bias=True)
+    for bias in (None, b):
+        be.launch = "auto"
+        tm, ts, z, tl = be.logits_and_stats(h, w[:v], zeros=torch.zeros(n, dtype=torch.int64, device="cuda"),
+                                            ones=torch.ones(n, device="cuda"), vocab_size=v,
+                                            bias=None if bias is None else bias[:v].float())
+        no_sentinel(tm, ts, z, tl)
+        st = logits_and_stats(h, w, vocab_size=v, bias=bias, backend="sm90")
+        ref = shard_tile_stats(h, w[:v], torch.zeros(n, dtype=torch.int64, device="cuda"), vocab_start=0,
+                               vocab_size=v, bias=None if bias is None else bias[:v], return_logits=True,
+                               backend="sm90")
+        for a, r in ((st.tile_max, ref.tile_max), (st.tile_sum, ref.tile_sum), (st.logits, ref.logits),
+                     (st.target_logit, ref.target_logit), (tm, ref.tile_max), (ts, ref.tile_sum), (z, ref.logits)):
+            assert beq(a, r)
+        assert bool(st.target_owned.all()) and st.unit_temperature
+        wide = torch.randint(0, v, (n, 2 * 5), generator=cgen, device="cuda")
+        wide[0, 1] = v - 1
+        for ids in (wide[:, 0], wide[:, :5].contiguous(), wide[:, ::2], wide[:, :5].to(torch.int32)):
+            lp, ls = be.merge_ids(st.tile_max, st.tile_sum, st.logits, ids, vocab_size=v,
+                                  bad_rows=torch.zeros(1, dtype=torch.int64, device="cuda"))
+            no_sentinel(lp, ls)
+            got = logp_of_ids(st, ids, vocab_size=v, backend="sm90")
+            two = logp_from_logits(st.logits, ids.to(torch.int64), temperature=1.0, backend="sm90")
+            assert beq(lp, two.logp) and beq(got.logp, two.logp) and beq(got.lse, two.lse) and beq(ls, two.lse)
+            tr = linear_logp(h, w, ids if ids.dim() == 1 else ids[:, 0].contiguous(), bias=bias, vocab_size=v,
+                             backend="sm90")
+            first = got.logp if ids.dim() == 1 else got.logp[:, 0]
+            assert beq(first, tr.logp) and beq(got.lse, tr.lse)
+    check_input_errors()
+    bad = wide[:, :3].clone()
+    bad[n - 1, 2] = v
+    if n > 1:
+        bad[0, 0] = -1
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    lp, ls = be.merge_ids(st.tile_max, st.tile_sum, st.logits, bad, vocab_size=v, bad_rows=counter)
+    nbad = 1 if n == 1 else 2
+    assert int(counter) == nbad
+    rows = torch.zeros(n, dtype=torch.bool, device="cuda")
+    rows[n - 1] = True
+    rows[0] = True
+    assert bool(torch.isnan(lp[rows]).all()) and bool(torch.isnan(ls[rows]).all())
+    assert not bool(torch.isnan(lp[~rows]).any())
+    got = logp_of_ids(st, bad, vocab_size=v, backend="sm90")
+    assert beq(got.logp, lp) and beq(got.lse, ls)
+    with pytest.raises(ContractInputError, match="targets"):
+        check_input_errors()
+    check_input_errors()                       # the count restarts

@@ -375,3 +375,45 @@ def test_host_scoring_temperature_equals_effective_temperature():
         assert host_scoring_temperature(a.copy(), torch.device("cpu")) is got
         a[0] = 0.5                                              # other values: another tensor, not a stale one
         assert host_scoring_temperature(a, torch.device("cpu"))[0] == 0.5 and got[0] == want[0]
+
+
+def test_mrv2_token_logprobs_are_the_contract_columns():
+    """Inside a sampler step that set a job, vLLM's compute_token_logprobs (the kernel its compute_topk_scores calls
+    by name) returns the contract columns of the step's raw logits: the bytes rescore() gives, at T = 1 from the
+    head statistics and at the rows' temperatures from a second pass. The wrapper is installed on the module
+    attribute that compute_topk_scores looks up. (vLLM's own kernel is Triton and does not run on the CPU.)"""
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.worker.gpu.sample import logprob
+
+    from fused_logp.vllm_plugin import capability
+    from fused_logp.vllm_plugin.mrv2_sampler import _Job, _job, install_token_logprobs
+    from fused_logp.vllm_plugin.scoring import rescore
+    from fused_logp.vllm_plugin.settings import PluginSettings
+    from fused_logp.vllm_plugin.state import HeadState, Mark
+
+    assert capability.mrv2_token_logprobs_shape(logprob)
+    if not hasattr(logprob.compute_token_logprobs, "__wrapped__"):
+        install_token_logprobs()
+    assert "compute_token_logprobs" in logprob.compute_topk_scores.__code__.co_names
+    g = torch.Generator().manual_seed(11)
+    n, d, v = 5, 64, 333
+    h = torch.randn(n, d, generator=g).to(torch.bfloat16)
+    w = torch.randn(v, d, generator=g).to(torch.bfloat16)
+    stats = _head_call(h, w)
+    z = stats.logits
+    ids = torch.randint(0, v, (n, 3), generator=g)
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.5])
+    for unit, temp in ((True, torch.ones(n)), (False, temps)):
+        st = HeadState(PluginSettings(strict=True, backend="auto", capture=False, source="test"))
+        _job.job = job = _Job(z, Mark(st, None, stats), unit, lambda: temp)
+        try:
+            got = logprob.compute_token_logprobs(z, ids)
+        finally:
+            _job.job = None
+        assert job.scored and st.rows_rescored == n and st.rows_head_stats == (n if unit else 0)
+        lt = LogprobsTensors(ids, torch.full((n, 3), -1.0), torch.zeros(n, dtype=torch.int64))
+        ref = rescore(lt, z, lambda: temp, Mark(HeadState(st.settings), None, stats), unit_temperature=unit)
+        assert torch.equal(got.view(torch.int32), ref.logprobs.view(torch.int32))
+        if not unit:
+            assert not torch.equal(got[1], rescore(lt, z, lambda: torch.ones(n), Mark(HeadState(st.settings), None,
+                                                                                     stats)).logprobs[1])

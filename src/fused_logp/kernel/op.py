@@ -199,6 +199,11 @@ class _RowErrors:
             for i, m in enumerate(masks):
                 if m is not None:
                     self.count[i].add_(m.sum())
+        self.recorded()
+
+    def recorded(self):
+        """After a launch that counted invalid rows into `count` itself: the snapshot and its event."""
+        with torch.inference_mode(False), torch.no_grad():
             self.snapshot.copy_(self.count, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(self.count.device))
@@ -237,14 +242,10 @@ def check_input_errors(device=None) -> None:
         raise ContractInputError(_row_error_message(counts, dev))
 
 
-def _row_guard(device, strict, bad_targets, bad_temperature):
-    """Invalid-row bookkeeping of one call on a device: earlier calls' finished records are read without
-    waiting (strict mode raises ContractInputError naming the argument, otherwise a warning is logged), this
-    call's masks are counted on the device. -> the combined invalid-row mask [N], or None (nothing to mask)."""
-    present = [m for m in (bad_targets, bad_temperature) if m is not None]
-    if device.type == "cpu" or not present:
-        return None
-    if device.type == "cuda" and device.index is None:
+def _row_errors(device, strict) -> _RowErrors:
+    """The invalid-row record of `device` (a CUDA device), after reading earlier calls' finished records without
+    waiting: strict mode raises ContractInputError naming the argument, otherwise a warning is logged."""
+    if device.index is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}")
     errs = _row_errors_by_device.get(device)
     if errs is None:
@@ -255,7 +256,17 @@ def _row_guard(device, strict, bad_targets, bad_temperature):
         if strict:
             raise ContractInputError(_row_error_message(counts, device))
         _row_log.warning("fused_logp: %s", _row_error_message(counts, device))
-    errs.record((bad_targets, bad_temperature))
+    return errs
+
+
+def _row_guard(device, strict, bad_targets, bad_temperature):
+    """Invalid-row bookkeeping of one call on a device: earlier calls' finished records are read without
+    waiting (_row_errors), this call's masks are counted on the device. -> the combined invalid-row mask [N], or
+    None (nothing to mask)."""
+    present = [m for m in (bad_targets, bad_temperature) if m is not None]
+    if device.type == "cpu" or not present:
+        return None
+    _row_errors(device, strict).record((bad_targets, bad_temperature))
     return present[0] if len(present) == 1 else present[0] | present[1]
 
 
@@ -498,7 +509,7 @@ _constant_row_views: dict = {}
 
 
 def _constant_row_values(kind, n, device):
-    """[n] int64 zeros ('targets') or FP32 ones ('temperature') on `device`: slices of one buffer per device, made
+    """[n] int64 zeros ('targets'), FP32 ones ('temperature') or True ('owned') on `device`: slices of one buffer per device, made
     outside inference mode and never written (a serving engine asks for them every step)."""
     rows = _constant_row_views.get((kind, device, n))
     if rows is not None:
@@ -509,6 +520,7 @@ def _constant_row_values(kind, n, device):
         if buf is None or buf.shape[0] < n:
             size = max(n, 256 if buf is None else 2 * buf.shape[0])
             buf = _constant_rows[key] = (torch.zeros(size, dtype=torch.int64, device=device) if kind == "targets"
+                                         else torch.ones(size, dtype=torch.bool, device=device) if kind == "owned"
                                          else torch.ones(size, dtype=torch.float32, device=device))
         if len(_constant_row_views) >= 4096:
             _constant_row_views.clear()
@@ -527,6 +539,12 @@ def logits_and_stats(hidden, weight, *, vocab_size=None, bias=None, backend=None
     n, dev = hidden.shape[0], hidden.device
     b = _bias_tensor(bias, weight.shape[0], dev)
     be, prov = _resolve(backend, strict, dev)
+    if hasattr(be, "logits_and_stats"):        # one launch and no per-call tensor work (a serving step calls this)
+        tile_max, tile_sum, logits, target_logit = be.logits_and_stats(
+            hidden.contiguous(), weight.contiguous(), zeros=_constant_row_values("targets", n, dev),
+            ones=_constant_row_values("temperature", n, dev), vocab_size=vocab_size, bias=b)
+        return ShardStats(tile_max, tile_sum, target_logit, _constant_row_values("owned", n, dev), 0, logits, prov,
+                          unit_temperature=True)
     st = _require(be, "shard_stats")(hidden.contiguous(), weight.contiguous(), _constant_row_values("targets", n, dev),
                                       vocab_start=0, vocab_size=vocab_size, bias=b,
                                       temperature=_constant_row_values("temperature", n, dev), return_logits=True)
@@ -550,8 +568,19 @@ def logp_of_ids(stats: ShardStats, ids, *, vocab_size, backend=None, strict=None
                                  f"from tile 0); got {stats.tile_max.shape[1]} tiles from tile {stats.tile_offset}")
     z = stats.logits
     n, dev = z.shape[0], z.device
-    targets, bad_targets = _check_targets(ids, n, vocab_size, dev, columns=True)
     be, prov = _resolve(backend, strict, dev)
+    if dev.type == "cuda" and hasattr(be, "merge_ids"):
+        # one launch: the range check, the gather and the merge; invalid rows are counted by the kernel itself
+        if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or ids.shape[0] != n \
+                or ids.dtype not in (torch.int32, torch.int64) or ids.device != dev \
+                or (ids.dim() == 2 and ids.shape[1] == 0):
+            _check_targets(ids, n, vocab_size, dev, columns=True)           # raises, naming the argument
+        errs = _row_errors(dev, strict)
+        logp, lse = be.merge_ids(stats.tile_max, stats.tile_sum, z, ids, vocab_size=vocab_size,
+                                 bad_rows=errs.count[:1])
+        errs.recorded()
+        return LogpResult(logp, lse, None, prov)
+    targets, bad_targets = _check_targets(ids, n, vocab_size, dev, columns=True)
     bad = _row_guard(dev, strict, bad_targets, None)
     cols = 1 if targets.dim() == 1 else targets.shape[1]
     z_ids = z.gather(1, targets.view(n, cols)).view(-1)              # z'_id = z[id] at T = 1 (no arithmetic)

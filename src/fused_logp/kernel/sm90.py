@@ -35,6 +35,7 @@ def auto_launch(n_rows: int) -> str:
 
 
 _lock = threading.Lock()
+_available: dict = {}          # torch.device -> SM90Backend.available answer, once settled
 _ext = None
 _ext_error: str | None = None
 
@@ -85,7 +86,18 @@ class SM90Backend:
         return out
 
     def available(self, device=None) -> tuple[bool, str]:
-        """Whether this backend serves tensors on `device` (default: the current CUDA device)."""
+        """Whether this backend serves tensors on `device` (default: the current CUDA device). A device's answer
+        is found once per process (its capability and the build do not change), then read from a table."""
+        key = device if isinstance(device, torch.device) else None
+        hit = _available.get(key) if key is not None else None
+        if hit is not None:
+            return hit
+        out = self._available(device)
+        if key is not None and (out[0] or _ext_error is not None or key.type != "cuda"):
+            _available[key] = out
+        return out
+
+    def _available(self, device) -> tuple[bool, str]:
         if not torch.cuda.is_available():
             return False, "CUDA is not available"
         device = torch.device("cuda") if device is None else torch.device(device)
@@ -108,6 +120,8 @@ class SM90Backend:
                 "launch": self.launch}
 
     def _module(self):
+        if _ext is not None:                 # built and checked once (available() said yes before any entry ran)
+            return _ext
         ok, why = self.available()
         if not ok:
             raise RuntimeError(f"sm90 backend unavailable: {why}")
@@ -160,6 +174,25 @@ class SM90Backend:
                                                  n_real, return_logits, target_logit)
         return {"tile_max": tile_max, "tile_sum": tile_sum, "target_logit": target_logit, "target_owned": owned,
                 "tile_offset": vocab_start // _TILE, "logits": logits}
+
+    def logits_and_stats(self, hidden, weight, *, zeros, ones, vocab_size, bias):
+        """A serving head: FP32 logits [N, vocab_size] and the T = 1 tile statistics of every row, one launch. zeros
+        [N] int64 are the target ids (their slots go to a scratch row, which is returned), ones [N] FP32 the
+        temperatures."""
+        scratch = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        tile_max, tile_sum, logits = self._stats(hidden, weight, zeros, ones, bias, 0, vocab_size, True, scratch)
+        return tile_max, tile_sum, logits, scratch
+
+    def merge_ids(self, tile_max, tile_sum, logits, ids, *, vocab_size, bad_rows):
+        """logp of ids [N] or [N, C] (int32/int64) and lse [N] from a T = 1 call's statistics and logits over the
+        whole real vocabulary: the row merge with z'_id = z[id], in one launch. A row with an id outside
+        [0, vocab_size) gets NaN logp and lse and adds 1 to the CUDA int64 counter bad_rows."""
+        n = tile_max.shape[0]
+        ids = ids if ids.dim() == 1 or ids.stride(-1) == 1 else ids.contiguous()
+        logp = self._empty(*ids.shape, device=tile_max.device)
+        lse = self._empty(n, device=tile_max.device)
+        self._module().merge_ids(tile_max, tile_sum, logits, ids, int(vocab_size), bad_rows, logp, lse)
+        return logp, lse
 
     def merge_stats(self, tile_max, tile_sum, target_logit):
         ext = self._module()

@@ -13,6 +13,9 @@ Known shapes (vLLM 0.26 and 0.32):
   batch returns logprobs: `get_logprobs_dims(idx_mapping_np)` (0.32) or `returns_logprobs(idx_mapping_np)` (0.26).
 - MRV2 prompt logprobs: `PromptLogprobsWorker.add_request(req_id, req_idx, sampling_params)`,
   `compute_prompt_logprobs(logits_fn, hidden_states, input_batch, ...)`, module-level `compute_topk_scores`.
+- MRV2 logprob values: module-level `logprob.compute_token_logprobs(logits, token_ids)`, looked up by name in
+  `compute_topk_scores` (both versions). Where it is, a sampler step's logprob columns are the contract's from the
+  start (vLLM's own kernel is not run); where not, they are rescored after vLLM's (not a refusal).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class HookShapes:
     mrv2_sp_index: int | None = None         # position of sampling_params in Sampler.add_request (after self)
     mrv2_logprobs_probe: str | None = None   # "get_logprobs_dims" | "returns_logprobs"
     mrv2_prompt: bool = False
+    mrv2_token_logprobs: bool = False        # logprob.compute_token_logprobs(logits, token_ids), called by name
     problems: tuple = ()                     # unknown shapes, one sentence each
     absent: tuple = ()                       # surfaces this vLLM build does not have (not a refusal)
 
@@ -118,6 +122,15 @@ def mrv2_sampler_shape(sampler_cls, problems: list) -> tuple[int | None, str | N
     return sp, probe
 
 
+def mrv2_token_logprobs_shape(module) -> bool:
+    """True when the logprob module's compute_topk_scores looks compute_token_logprobs(logits, token_ids) up by
+    name (so that the module attribute is what it calls)."""
+    fn, topk = getattr(module, "compute_token_logprobs", None), getattr(module, "compute_topk_scores", None)
+    code = getattr(inspect.unwrap(topk), "__code__", None) if callable(topk) else None
+    return (callable(fn) and _starts(fn, ("logits", "token_ids")) and code is not None
+            and "compute_token_logprobs" in code.co_names)
+
+
 def mrv2_prompt_shape(worker_cls, module, problems: list) -> bool:
     ok = (_starts(getattr(worker_cls, "add_request", None), ("req_id", "req_idx", "sampling_params"))
           and _starts(getattr(worker_cls, "compute_prompt_logprobs", None),
@@ -153,6 +166,7 @@ def detect() -> HookShapes:
     except ImportError as e:
         absent.append(f"V1 GPU model runner ({e})")
     try:
+        from vllm.v1.worker.gpu.sample import logprob as lpm
         from vllm.v1.worker.gpu.sample import prompt_logprob as pl
         from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
     except ImportError as e:               # MRV2 needs modules this vLLM build may lack: then it never runs
@@ -162,6 +176,10 @@ def detect() -> HookShapes:
         kw["mrv2_prompt"] = mrv2_prompt_shape(pl.PromptLogprobsWorker, pl, problems)
         kw["mrv2"] = sp is not None and kw["mrv2_prompt"]
         kw["mrv2_sp_index"], kw["mrv2_logprobs_probe"] = sp, probe
+        kw["mrv2_token_logprobs"] = mrv2_token_logprobs_shape(lpm)
+        if not kw["mrv2_token_logprobs"]:
+            absent.append("MRV2 logprob.compute_token_logprobs(logits, token_ids) called by name (columns are "
+                          "rescored after vLLM's)")
     _shapes = HookShapes(problems=tuple(problems), absent=tuple(absent), **kw)
     return _shapes
 

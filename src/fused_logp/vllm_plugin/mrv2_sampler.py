@@ -10,15 +10,23 @@ add_request shapes are handled (capability.HookShapes.mrv2_sp_index) and both lo
 Per step the wrapper works on per-request flags (numpy arrays indexed by vLLM's request slot, set once in
 add_request), not on per-row Python loops: a batch without program rows, flagged requests or capture builds no
 per-row lists; a batch whose rows are all scored at T = 1 (vLLM's host copy of the temperatures) reads its
-logprob columns from the head call's statistics."""
+logprob columns from the head call's statistics.
+
+Where vLLM's logprob module has the known shape (capability.HookShapes.mrv2_token_logprobs) and vLLM reads the
+raw logits (logprobs_mode raw_logprobs), a step without program rows or flagged requests does not rescore: its
+logprob columns are the contract's from the start, because vLLM's own logprob kernel (compute_token_logprobs) is
+replaced for that call by the contract columns of the same ids (scoring.contract_columns). vLLM never writes the
+raw logits in that mode (it computes its raw logprobs from them after sampling), so they are read without a copy."""
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
 from .policy import request_reasons, transform_program, transform_reasons
-from .scoring import all_unit_temperature, check_sampled, effective_temperature, kept_rows, program_groups, rescore
+from .scoring import (all_unit_temperature, check_sampled, contract_columns, effective_temperature, kept_rows,
+                      program_groups, rescore)
 from .state import is_vllm_warmup, mark_of
 
 _NO_EPOCH = -1
@@ -67,6 +75,39 @@ class _Flags:
         return len(rows) == 0 or int(rows.max()) < self.size
 
 
+class _Job:
+    """One sampler step whose logprob columns the contract computes in place of vLLM's kernel."""
+    __slots__ = ("logits", "mark", "unit", "temperature", "scored")
+
+    def __init__(self, logits, mark, unit, temperature):
+        self.logits, self.mark, self.unit, self.temperature, self.scored = logits, mark, unit, temperature, False
+
+
+_job = threading.local()
+
+
+def install_token_logprobs() -> None:
+    """Wrap logprob.compute_token_logprobs: inside a sampler step that set a _Job, the call on that step's raw
+    logits returns the contract columns of the same ids; every other call is vLLM's."""
+    from vllm.v1.worker.gpu.sample import logprob
+
+    orig = logprob.compute_token_logprobs
+
+    @functools.wraps(orig)
+    def compute_token_logprobs(logits, token_ids):
+        job = getattr(_job, "job", None)
+        if job is None or logits is not job.logits or job.scored:
+            return orig(logits, token_ids)
+        new, from_stats = contract_columns(logits, token_ids, job.temperature, job.mark, unit_temperature=job.unit)
+        st = job.mark.state
+        st.rows_head_stats += from_stats
+        st.rows_rescored += int(new.shape[0])
+        job.scored = True
+        return new
+
+    logprob.compute_token_logprobs = compute_token_logprobs
+
+
 def install(shapes) -> None:
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
@@ -79,6 +120,13 @@ def install(shapes) -> None:
     else:
         def wants_logprobs(sampler, idx):
             return bool(sampler.returns_logprobs(idx))
+
+    token_logprobs = bool(shapes.mrv2_token_logprobs)
+    if token_logprobs:
+        install_token_logprobs()
+
+    def raw_mode(sampler) -> bool:
+        return getattr(sampler, "logprobs_mode", None) == "raw_logprobs"
 
     @functools.wraps(orig_add_request)
     def add_request(self, *args, **kwargs):
@@ -133,11 +181,24 @@ def install(shapes) -> None:
             for i, rid in zip(idx, input_batch.req_ids):
                 if flagged.get(int(i)) and not is_vllm_warmup(rid):     # vLLM's warm-up exercises every feature
                     mark.state.note(flagged[int(i)])
-        z = logits.clone() if wants_logprobs(self, idx) else None
+        want = wants_logprobs(self, idx)
+        job = None
+        if want and token_logprobs and keep is None and not expanded and raw_mode(self) \
+                and (flags is not None and not flags.flagged[idx].any()):
+            unit = all_unit_temperature(host_temperature(self, idx))
+            job = _Job(logits, mark, unit, lambda: row_temperature(self, input_batch))
+        z = (logits if job is not None else logits.clone()) if want else None
         masked = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
         if keep is not None:
             masked._fused_logp = mark
-        out = orig_call(self, masked, input_batch, *args, **kwargs)
+        if job is not None:
+            _job.job = job
+            try:
+                out = orig_call(self, masked, input_batch, *args, **kwargs)
+            finally:
+                _job.job = None
+        else:
+            out = orig_call(self, masked, input_batch, *args, **kwargs)
         if keep is not None:
             check_sampled(keep, out.sampled_token_ids, groups, mark)
         if z is not None and out.logprobs_tensors is not None:
@@ -149,10 +210,11 @@ def install(shapes) -> None:
                 new = np.nonzero(flags.program[idx] & (flags.epoch[idx] != st.programs_epoch))[0]
                 record = ([req_ids[r] for r in new], [progs.get(int(idx[r])) for r in new])
                 flags.epoch[idx[new]] = st.programs_epoch
-            unit = not expanded and all_unit_temperature(host_temperature(self, idx))
+            unit = job.unit if job is not None else \
+                not expanded and all_unit_temperature(host_temperature(self, idx))
             out.logprobs_tensors = rescore(out.logprobs_tensors, z, lambda: row_temperature(self, input_batch),
                                            mark, req_ids=req_ids, programs=programs, unit_temperature=unit,
-                                           record=record)
+                                           record=record, scored=job is not None and job.scored)
         return out
 
     Sampler.__call__ = __call__

@@ -111,15 +111,34 @@ def _head_stats(mark: Mark, z: torch.Tensor):
     return dataclasses.replace(stats, logits=z)
 
 
+def contract_columns(z: torch.Tensor, ids: torch.Tensor, temperature, mark: Mark, *, unit_temperature: bool = False):
+    """[N, C] FP32 on z's device: the contract logp of every id column (ids [N, C] int32/int64) of the unscaled FP32
+    logits z [N, V] at the rows' scoring temperature (a tensor [N], or a callable returning it). With
+    unit_temperature (every row's scoring temperature known on the host to be 1) the columns come from the head
+    call's own statistics (logp_of_ids, the same bytes) instead of a second pass over the row.
+    -> (logp, rows read from the head statistics)."""
+    st = mark.state
+    stats = _head_stats(mark, z) if unit_temperature else None
+    if stats is not None:
+        ids = ids if ids.device == z.device else ids.to(z.device)
+        return logp_of_ids(stats, ids, vocab_size=z.shape[1], backend=st.settings.backend,
+                           strict=st.settings.strict).logp, int(z.shape[0])
+    if callable(temperature):
+        temperature = temperature()
+    ids64 = ids.to(device=z.device, dtype=torch.int64)
+    return logp_from_logits(z, ids64, temperature=temperature, vocab_size=z.shape[1], backend=st.settings.backend,
+                            strict=st.settings.strict).logp, 0
+
+
 def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind="sample", programs=None,
-            unit_temperature: bool = False, record=None, groups=None):
+            unit_temperature: bool = False, record=None, groups=None, scored: bool = False):
     """LogprobsTensors with every column replaced by the contract logp of its id (padding columns, -inf in
     vLLM's output, stay -inf). z [N, V] fp32 unscaled; temperature [N] fp32 (a tensor, or a callable returning
     it). A row whose program (programs[r]) is not neutral gets the program's logp instead, -inf for an id outside
-    its kept set. unit_temperature: every row's scoring temperature is known (on the host) to be 1; the columns
-    are then read from the head call's own statistics (logp_of_ids, the same bytes) instead of a second pass over
-    the row. record: the (request id, program) pairs to record for the programs RPC (default: every row's).
-    groups: program_groups(programs, V) where the caller has it already."""
+    its kept set. unit_temperature: see contract_columns. record: the (request id, program) pairs to record for the
+    programs RPC (default: every row's). groups: program_groups(programs, V) where the caller has it already.
+    scored: lt's columns are contract_columns already (vLLM's logprob kernel was the contract's this step); only
+    the programs record and the capture are done."""
     st = mark.state
     if lt is None:
         return lt
@@ -127,39 +146,35 @@ def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind=
     if ids.numel() == 0 or ids.shape[1] > z.shape[1]:
         st.note(["full-vocabulary logprobs (-1) are vLLM's"])
         return lt
-    old = lt.logprobs
-    ids64 = ids.to(device=z.device, dtype=torch.int64)
-    stats = _head_stats(mark, z) if unit_temperature else None
-    if stats is not None:
-        new = logp_of_ids(stats, ids64, vocab_size=z.shape[1], backend=st.settings.backend,
-                          strict=st.settings.strict).logp
-        temperature = None
-        st.rows_head_stats += int(new.shape[0])
+    if scored:
+        new = lt.logprobs
     else:
-        if callable(temperature):
-            temperature = temperature()
-        new = logp_from_logits(z, ids64, temperature=temperature, vocab_size=z.shape[1],
-                               backend=st.settings.backend, strict=st.settings.strict).logp
-    for prog, rows in (program_groups(programs, z.shape[1]) if groups is None else groups).items():
-        idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
-        lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
-                                               vocab_size=z.shape[1], require_kept=False)
-        new[idx] = torch.where(kept, lp, torch.full_like(lp, float("-inf"))).to(new.device)
-    if new.device != old.device:
-        new = new.to(old.device)
-    new = torch.where(torch.isneginf(old), old, new)
-    st.rows_rescored += int(new.shape[0])
+        old = lt.logprobs
+        new, from_stats = contract_columns(z, ids, temperature, mark, unit_temperature=unit_temperature)
+        st.rows_head_stats += from_stats
+        ids64 = None
+        for prog, rows in (program_groups(programs, z.shape[1]) if groups is None else groups).items():
+            if ids64 is None:
+                ids64 = ids.to(device=z.device, dtype=torch.int64)
+            idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
+            lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
+                                                   vocab_size=z.shape[1], require_kept=False)
+            new[idx] = torch.where(kept, lp, torch.full_like(lp, float("-inf"))).to(new.device)
+        if new.device != old.device:
+            new = new.to(old.device)
+        new = new.masked_fill(torch.isneginf(old), float("-inf"))
+        st.rows_rescored += int(new.shape[0])
     if record is not None:
         st.record_programs(*record)
     elif programs is not None and req_ids is not None:
         st.record_programs(req_ids, programs)
     if st.settings.capture and mark.hidden is not None:
-        if temperature is None:
+        if unit_temperature or temperature is None:
             temperature = torch.full((z.shape[0],), GREEDY_SCORING_TEMPERATURE, dtype=torch.float32)
         elif callable(temperature):
             temperature = temperature()
-        capture(st, mark.hidden, temperature, ids64, new, req_ids, kind, programs)
-    return lt._replace(logprobs=new)
+        capture(st, mark.hidden, temperature, ids.to(torch.int64), new, req_ids, kind, programs)
+    return lt if scored else lt._replace(logprobs=new)
 
 
 def json_float(v: float):

@@ -30,15 +30,10 @@ namespace {
 constexpr int kMergeThreads = 256;
 constexpr int kMergeMaxSmemTiles = 12000;   // 47 KB of terms; longer rows are merged in chunks of this size
 
-__global__ void __launch_bounds__(kMergeThreads)
-merge_kernel(const float* __restrict__ tile_max, const float* __restrict__ tile_sum,
-             const float* __restrict__ target_logit, float* __restrict__ logp, float* __restrict__ lse,
-             int n_tiles, long long ld, int chunk) {
-  extern __shared__ float terms[];
-  __shared__ float red[kMergeThreads / 32];
-  const long long row = blockIdx.x;
-  const float* mx = tile_max + row * ld;
-  const float* sm = tile_sum + row * ld;
+// The merge of one row, by the whole block: -> lse on thread 0 (the other threads' value is unspecified).
+// mx/sm: the row's n_tiles statistics; terms: `chunk` floats of dynamic shared memory; red: kMergeThreads/32 floats.
+__device__ __forceinline__ float block_row_lse(const float* __restrict__ mx, const float* __restrict__ sm,
+                                               int n_tiles, int chunk, float* terms, float* red) {
   float m = __int_as_float(0xFF800000);
   for (int t = threadIdx.x; t < n_tiles; t += kMergeThreads) m = contract::nan_max(m, mx[t]);
 #pragma unroll
@@ -71,10 +66,54 @@ merge_kernel(const float* __restrict__ tile_max, const float* __restrict__ tile_
     }
     __syncthreads();
   }
+  return __fadd_rn(m, contract::contract_log(S));
+}
+
+__global__ void __launch_bounds__(kMergeThreads)
+merge_kernel(const float* __restrict__ tile_max, const float* __restrict__ tile_sum,
+             const float* __restrict__ target_logit, float* __restrict__ logp, float* __restrict__ lse,
+             int n_tiles, long long ld, int chunk) {
+  extern __shared__ float terms[];
+  __shared__ float red[kMergeThreads / 32];
+  const long long row = blockIdx.x;
+  const float l = block_row_lse(tile_max + row * ld, tile_sum + row * ld, n_tiles, chunk, terms, red);
   if (threadIdx.x == 0) {
-    const float l = __fadd_rn(m, contract::contract_log(S));
     lse[row] = l;
     logp[row] = contract::clamp_nonpos(__fsub_rn(target_logit[row], l));
+  }
+}
+
+// The merge of a T = 1 serving call's statistics with the logp of `cols` ids per row read from its logits
+// (z'_id = z[id] at T = 1): one block per row. A row with an id outside [0, vocab_size) is invalid: its logp
+// and lse are NaN and it adds 1 to *bad_rows (CONTRACT.md section 0.1); no id outside the row is ever read.
+template <typename Id>
+__global__ void __launch_bounds__(kMergeThreads)
+merge_ids_kernel(const float* __restrict__ tile_max, const float* __restrict__ tile_sum, int n_tiles, long long ld,
+                 const float* __restrict__ logits, long long ld_z, const Id* __restrict__ ids, long long ld_ids,
+                 int cols, long long vocab_size, float* __restrict__ logp, float* __restrict__ lse,
+                 int64_t* __restrict__ bad_rows, int chunk) {
+  extern __shared__ float terms[];
+  __shared__ float red[kMergeThreads / 32];
+  __shared__ float row_lse;
+  const long long row = blockIdx.x;
+  int bad = 0;
+  for (int c = threadIdx.x; c < cols; c += kMergeThreads) {
+    const long long id = static_cast<long long>(ids[row * ld_ids + c]);
+    bad |= (id < 0 || id >= vocab_size);
+  }
+  bad = __syncthreads_or(bad);
+  const float l = block_row_lse(tile_max + row * ld, tile_sum + row * ld, n_tiles, chunk, terms, red);
+  const float qnan = __int_as_float(0x7FC00000);
+  if (threadIdx.x == 0) {
+    row_lse = l;
+    lse[row] = bad ? qnan : l;
+    if (bad) atomicAdd(reinterpret_cast<unsigned long long*>(bad_rows), 1ull);
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < cols; c += kMergeThreads) {
+    const float* zr = logits + row * ld_z;
+    logp[row * cols + c] = bad ? qnan
+        : contract::clamp_nonpos(__fsub_rn(zr[static_cast<long long>(ids[row * ld_ids + c])], row_lse));
   }
 }
 
@@ -186,6 +225,46 @@ void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor t
   merge_kernel<<<static_cast<unsigned>(n), kMergeThreads, chunk * sizeof(float), stream>>>(
       tile_max.data_ptr<float>(), tile_sum.data_ptr<float>(), target_logit.data_ptr<float>(),
       logp.data_ptr<float>(), lse.data_ptr<float>(), static_cast<int>(t), t, chunk);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// logp of ids [N] or [N, C] (int32 or int64, unit column stride) from a T = 1 call's statistics and logits over the
+// whole real vocabulary; bad_rows: a CUDA int64 counter that every invalid row adds 1 to.
+void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor logits, torch::Tensor ids,
+               int64_t vocab_size, torch::Tensor bad_rows, torch::Tensor logp, torch::Tensor lse) {
+  const long long n = tile_max.size(0), t = tile_max.size(1);
+  check_f32_2d(tile_max, "tile_max", n, t);
+  check_f32_2d(tile_sum, "tile_sum", n, t);
+  TORCH_CHECK(t == (vocab_size + kTile - 1) / kTile && t >= 1, "sm90: the statistics must cover vocab_size");
+  TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2 &&
+                  logits.size(0) == n && logits.size(1) >= vocab_size && logits.stride(1) == 1,
+              "sm90: logits must be CUDA float32 [N, >= vocab_size] with unit column stride");
+  TORCH_CHECK(ids.is_cuda() && (ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32) &&
+                  (ids.dim() == 1 || ids.dim() == 2) && ids.size(0) == n && (ids.dim() == 1 || ids.stride(1) == 1),
+              "sm90: ids must be CUDA int32/int64 [N] or [N, C] with unit column stride");
+  const long long cols = ids.dim() == 2 ? ids.size(1) : 1;
+  const long long ld_ids = ids.stride(0);
+  TORCH_CHECK(cols >= 1, "sm90: ids must have at least one column");
+  TORCH_CHECK(bad_rows.is_cuda() && bad_rows.scalar_type() == torch::kInt64 && bad_rows.numel() >= 1,
+              "sm90: bad_rows must be a CUDA int64 counter");
+  TORCH_CHECK(logp.is_contiguous() && logp.numel() == n * cols && logp.scalar_type() == torch::kFloat32 &&
+                  lse.is_contiguous() && lse.numel() == n && lse.scalar_type() == torch::kFloat32,
+              "sm90: logp must be contiguous float32 [N * C] and lse [N]");
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(tile_max.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int chunk = static_cast<int>(std::min<long long>(t, kMergeMaxSmemTiles));
+  if (ids.scalar_type() == torch::kInt64) {
+    merge_ids_kernel<int64_t><<<static_cast<unsigned>(n), kMergeThreads, chunk * sizeof(float), stream>>>(
+        tile_max.data_ptr<float>(), tile_sum.data_ptr<float>(), static_cast<int>(t), t, logits.data_ptr<float>(),
+        logits.stride(0), ids.data_ptr<int64_t>(), ld_ids, static_cast<int>(cols), vocab_size,
+        logp.data_ptr<float>(), lse.data_ptr<float>(), bad_rows.data_ptr<int64_t>(), chunk);
+  } else {
+    merge_ids_kernel<int32_t><<<static_cast<unsigned>(n), kMergeThreads, chunk * sizeof(float), stream>>>(
+        tile_max.data_ptr<float>(), tile_sum.data_ptr<float>(), static_cast<int>(t), t, logits.data_ptr<float>(),
+        logits.stride(0), ids.data_ptr<int32_t>(), ld_ids, static_cast<int>(cols), vocab_size,
+        logp.data_ptr<float>(), lse.data_ptr<float>(), bad_rows.data_ptr<int64_t>(), chunk);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
