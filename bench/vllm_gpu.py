@@ -315,6 +315,31 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
             assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
         med = statistics.median(times)
         res["batches"][str(bs)] = {"tok_s": round(bs * out_tokens / med, 1), "times_s": [round(x, 4) for x in times]}
+    # host time and device span per decode step of the lm_head and the sampler (one more generate per batch size)
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+    timers = _StepTimers()
+    timers.wrap(LogitsProcessor, "forward", "lm_head")
+    timers.wrap(Sampler, "__call__", "sampler")
+    res["step_split"] = {}
+    for bs in (1, 64, 256):
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist())
+                   for _ in range(bs)]
+        params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
+                  for i in range(bs)]
+        timers.reset()
+        timers.on = True
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        timers.on = False
+        steps = timers.calls["sampler"] or out_tokens
+        res["step_split"][str(bs)] = {"steps": steps, "step_wall_ms": round(1e3 * wall / steps, 4),
+                                      **timers.report(steps)}
+    for cls, name, orig in timers._undo:
+        setattr(cls, name, orig)
     if plugin:          # how many rescored rows were read from the head call's statistics (T = 1 batches)
         head = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
         res["rows"] = {k: head.get(k) for k in ("rows_rescored", "rows_head_stats", "op_calls")}
