@@ -610,7 +610,7 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
         name = f"speed-{plugin}"
         p = _child(["speed", "--plugin", plugin, "--model-dir", str(model_dir), "--json", str(out / f"{name}.json")],
                    out / f"{name}.log", 0)[0]
-        limit = 170 if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE") else 85      # the split profile runs after
+        limit = 170 if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE") else 100     # the split profile runs after
         _wait({name: p}, min(time.time() + limit, t0 + deadline_s), result, out)
     if "speed-on" in result and "speed-off" in result and "batches" in result["speed-on"] \
             and "batches" in result.get("speed-off", {}):
