@@ -195,7 +195,7 @@ vllm-gpu: vllm-gpu-sm90
 vllm-gpu-profile: vllm-gpu-sm90
 	mkdir -p $(VLLM_GPU_OUT)/vllm-gpu-profile
 	$(VLLM_GPU_ENV) $(PYTHON) -P bench/vllm_gpu.py model
-	for p in off on; do $(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_PROFILE=1 timeout 200 $(PYTHON) -P bench/vllm_gpu.py \
+	for p in $(or $(PROFILE_PLUGINS),off on); do $(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_PROFILE=1 timeout 200 $(PYTHON) -P bench/vllm_gpu.py \
 		speed --plugin $$p --json $(VLLM_GPU_OUT)/vllm-gpu-profile/profile-$$p.json \
 		> $(VLLM_GPU_OUT)/vllm-gpu-profile/profile-$$p.log 2>&1; echo "profile-$$p rc $$?"; done
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-profile.tgz -C $(VLLM_GPU_OUT) vllm-gpu-profile && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-profile

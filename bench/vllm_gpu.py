@@ -447,6 +447,25 @@ def _split_profile(llm, g, plugin: bool, out_tokens: int = 64) -> dict:
         r["steps"] = steps
         r["step_wall_ms"] = round(1e3 * wall / steps, 4)
         r["timers"] = timers.report(steps)
+        # time in Python's garbage collector per step, by generation
+        import gc
+        gc_t = {0: 0.0, 1: 0.0, 2: 0.0}
+        gc_n = {0: 0, 1: 0, 2: 0}
+        gc_start = []
+
+        def on_gc(phase, info):
+            if phase == "start":
+                gc_start.append(time.perf_counter())
+            elif gc_start:
+                gc_t[info["generation"]] += time.perf_counter() - gc_start.pop()
+                gc_n[info["generation"]] += 1
+        gc.callbacks.append(on_gc)
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        r["gc_check_step_wall_ms"] = round(1e3 * (time.perf_counter() - t) / steps, 4)
+        gc.callbacks.remove(on_gc)
+        r["gc_ms_per_step"] = {g: round(1e3 * gc_t[g] / steps, 4) for g in gc_t}
+        r["gc_collections"] = gc_n
         # cProfile of one generate (the engine core's loop and the worker run in this thread)
         pr = cProfile.Profile()
         pr.enable()
@@ -458,6 +477,8 @@ def _split_profile(llm, g, plugin: bool, out_tokens: int = 64) -> dict:
             rows.append((f"{fn.split('site-packages/')[-1].split('/src/')[-1]}:{line}({name})", nc, tt, ct))
         r["cprofile_top_tottime_ms_per_step"] = {k: [n, round(1e3 * tt / steps, 4)] for k, n, tt, ct in
                                                  sorted(rows, key=lambda x: -x[2])[:30]}
+        r["cprofile_top_cumtime_ms_per_step"] = {k: [n, round(1e3 * ct / steps, 4)] for k, n, tt, ct in
+                                                 sorted(rows, key=lambda x: -x[3])[:45]}
         r["cprofile_fused_logp_cum_ms_per_step"] = {k: [n, round(1e3 * ct / steps, 4)] for k, n, tt, ct in
                                                     sorted(rows, key=lambda x: -x[3])
                                                     if "fused_logp" in k}
