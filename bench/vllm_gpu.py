@@ -11,7 +11,10 @@ Parts (each an in-process engine in its own subprocess; the plugin registered by
          SM90 backend) on the captured hidden rows; 64 concurrent requests, then each of them alone; the status
          fingerprint against weight_fingerprint of the checkpoint's lm_head; reload_weights with a new lm_head moves it.
   speed  --plugin on|off : decode tok/s at 1, 64 and 256 concurrent sequences (Model Runner V2, CUDA graphs), the
-         plugin strict without capture against plain vLLM (plugin not registered), same machine, medians of 3.
+         plugin strict without capture against plain vLLM (plugin not registered), same machine, medians of 5
+         runs, each after gc.collect() (a full collection of the engine's heap costs ~0.1 s, as long as a whole
+         decode at batch 1: without it a run's time depends on where the collector fires); and the lm_head and
+         sampler host time and device span per step.
   score  : the trainer-side scoring time, linear_logp (SM90) against F.linear + log_softmax + gather.
 """
 from __future__ import annotations
@@ -286,6 +289,8 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 
 def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
+    import gc
+
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -306,7 +311,8 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
                   for i in range(bs)]
         llm.generate(prompts, params, use_tqdm=False)                   # warm-up
         times = []
-        for _ in range(3):
+        for _ in range(5):
+            gc.collect()            # every timed run starts from a collected heap (a full collection costs ~0.1 s)
             torch.cuda.synchronize()
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)

@@ -380,7 +380,8 @@ def test_serving_head_and_merge_of_ids(be, cgen, n, d, v, pad):
         wide[0, 1] = v - 1
         for ids in (wide[:, 0], wide[:, :5].contiguous(), wide[:, ::2], wide[:, :5].to(torch.int32)):
             lp, ls = be.merge_ids(st.tile_max, st.tile_sum, st.logits, ids, vocab_size=v,
-                                  bad_rows=torch.zeros(1, dtype=torch.int64, device="cuda"))
+                                  bad_rows=torch.zeros(2, dtype=torch.int64, device="cuda"),
+                                  mirror=torch.zeros(1, dtype=torch.int64, pin_memory=True))
             no_sentinel(lp, ls)
             got = logp_of_ids(st, ids, vocab_size=v, backend="sm90")
             two = logp_from_logits(st.logits, ids.to(torch.int64), temperature=1.0, backend="sm90")
@@ -394,10 +395,12 @@ def test_serving_head_and_merge_of_ids(be, cgen, n, d, v, pad):
     bad[n - 1, 2] = v
     if n > 1:
         bad[0, 0] = -1
-    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
-    lp, ls = be.merge_ids(st.tile_max, st.tile_sum, st.logits, bad, vocab_size=v, bad_rows=counter)
+    counter = torch.tensor([5, 0], dtype=torch.int64, device="cuda")
+    mirror = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    lp, ls = be.merge_ids(st.tile_max, st.tile_sum, st.logits, bad, vocab_size=v, bad_rows=counter, mirror=mirror)
     nbad = 1 if n == 1 else 2
-    assert int(counter) == nbad
+    torch.cuda.synchronize()
+    assert counter.tolist() == [5 + nbad, 0] and int(mirror[0]) == 5 + nbad      # the ticket is back at 0
     rows = torch.zeros(n, dtype=torch.bool, device="cuda")
     rows[n - 1] = True
     rows[0] = True
@@ -405,6 +408,11 @@ def test_serving_head_and_merge_of_ids(be, cgen, n, d, v, pad):
     assert not bool(torch.isnan(lp[~rows]).any())
     got = logp_of_ids(st, bad, vocab_size=v, backend="sm90")
     assert beq(got.logp, lp) and beq(got.lse, ls)
-    with pytest.raises(ContractInputError, match="targets"):
+    with pytest.raises(ContractInputError, match=f"targets .*: {nbad} row"):
         check_input_errors()
-    check_input_errors()                       # the count restarts
+    check_input_errors()                       # reported once
+    logp_of_ids(st, bad, vocab_size=v, backend="sm90", strict=False)
+    torch.cuda.synchronize()                   # the mirror shows it: the next call reports it without waiting
+    with pytest.raises(ContractInputError, match=f"targets .*: {nbad} row"):
+        logp_of_ids(st, wide[:, :3], vocab_size=v, backend="sm90", strict=True)
+    check_input_errors()

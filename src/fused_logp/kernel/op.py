@@ -188,10 +188,17 @@ class _RowErrors:
 
     # The counter lives across calls made inside and outside torch.inference_mode (vLLM serves in it, a trainer
     # does not): it is an ordinary tensor, created and updated with inference mode off.
+    # Kernels that count invalid target rows themselves (the serving merge of ids) use a second record: a running
+    # device total with a block ticket (`ids`, never zeroed) that each launch also stores into pinned host memory
+    # (`ids_mirror`), read here without a copy or an event; `ids_seen` is the total already reported.
     def __init__(self, device):
         with torch.inference_mode(False):
             self.count = torch.zeros(len(_ROW_ARGS), dtype=torch.int64, device=device)
             self.snapshot = torch.zeros(len(_ROW_ARGS), dtype=torch.int64, pin_memory=True)
+            self.ids = torch.zeros(2, dtype=torch.int64, device=device)
+            self.ids_mirror = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.ids_mirror_np = self.ids_mirror.numpy()       # the same host memory, read without a torch call
+        self.ids_seen = 0
         self.event = None
 
     def record(self, masks):
@@ -199,30 +206,29 @@ class _RowErrors:
             for i, m in enumerate(masks):
                 if m is not None:
                     self.count[i].add_(m.sum())
-        self.recorded()
-
-    def recorded(self):
-        """After a launch that counted invalid rows into `count` itself: the snapshot and its event."""
-        with torch.inference_mode(False), torch.no_grad():
             self.snapshot.copy_(self.count, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(self.count.device))
 
     def take(self, wait):
         """Counts recorded so far (all of them with wait=True, which synchronises; else what a finished
-        snapshot shows, or nothing); the counter restarts from zero once a non-zero count is returned."""
+        snapshot and the mirror show, or nothing); the counter restarts from zero once a non-zero count is returned,
+        and the running total of the ids record is reported once."""
+        ids_total = int(self.ids[0]) if wait else int(self.ids_mirror_np[0])   # int(self.ids[0]) synchronises
+        new_ids = max(0, ids_total - self.ids_seen)
+        self.ids_seen = max(self.ids_seen, ids_total)
         if wait:
             counts = [int(c) for c in self.count.tolist()]
         elif self.event is not None and self.event.query():
             counts = [int(c) for c in self.snapshot.tolist()]
+            self.event = None
         else:
-            return None
-        self.event = None
-        if not any(counts):
-            return None
-        with torch.inference_mode(False):
-            self.count.zero_()
-        return counts
+            counts = [0] * len(_ROW_ARGS)
+        if any(counts):
+            with torch.inference_mode(False):
+                self.count.zero_()
+        counts[0] += new_ids
+        return counts if any(counts) else None
 
 
 def _row_error_message(counts, device):
@@ -319,8 +325,23 @@ def _with_grad(forward, hidden, weight, bias, targets, temp, vocab_start, n_real
 _provenance: dict = {}
 
 
+_resolved_cuda: dict = {}
+
+
 def _resolve(backend, strict, device):
     cfg = get_config()
+    if device.type == "cuda":         # the SM90 answer for a device is settled once (sm90.available): one lookup
+        hit = _resolved_cuda.get((backend, strict, device))
+        if hit is not None and hit[0] is cfg:
+            return hit[1], hit[2]
+        be, prov = _resolve_new(cfg, backend, strict, device)
+        if be.name == "sm90":
+            _resolved_cuda[(backend, strict, device)] = (cfg, be, prov)
+        return be, prov
+    return _resolve_new(cfg, backend, strict, device)
+
+
+def _resolve_new(cfg, backend, strict, device):
     strict = cfg.strict if strict is None else bool(strict)
     name = cfg.backend if backend is None else backend
     be, fallback = select_backend(name, device, strict)
@@ -576,9 +597,8 @@ def logp_of_ids(stats: ShardStats, ids, *, vocab_size, backend=None, strict=None
                 or (ids.dim() == 2 and ids.shape[1] == 0):
             _check_targets(ids, n, vocab_size, dev, columns=True)           # raises, naming the argument
         errs = _row_errors(dev, strict)
-        logp, lse = be.merge_ids(stats.tile_max, stats.tile_sum, z, ids, vocab_size=vocab_size,
-                                 bad_rows=errs.count[:1])
-        errs.recorded()
+        logp, lse = be.merge_ids(stats.tile_max, stats.tile_sum, z, ids, vocab_size=vocab_size, bad_rows=errs.ids,
+                                 mirror=errs.ids_mirror)
         return LogpResult(logp, lse, None, prov)
     targets, bad_targets = _check_targets(ids, n, vocab_size, dev, columns=True)
     bad = _row_guard(dev, strict, bad_targets, None)

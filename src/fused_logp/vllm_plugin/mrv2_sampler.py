@@ -176,15 +176,15 @@ def install(shapes) -> None:
             out = orig_call(self, logits.masked_fill(~keep, float("-inf")), input_batch, *args, **kwargs)
             check_sampled(keep, out.sampled_token_ids, groups, None)
             return out
-        if flags is None or flags.flagged[idx].any():
+        any_flagged = flags is None or bool(flags.flagged[idx].any())
+        if any_flagged:
             flagged = d.get("_fused_logp_flagged", {})
             for i, rid in zip(idx, input_batch.req_ids):
                 if flagged.get(int(i)) and not is_vllm_warmup(rid):     # vLLM's warm-up exercises every feature
                     mark.state.note(flagged[int(i)])
         want = wants_logprobs(self, idx)
         job = None
-        if want and token_logprobs and keep is None and not expanded and raw_mode(self) \
-                and (flags is not None and not flags.flagged[idx].any()):
+        if want and token_logprobs and keep is None and not expanded and not any_flagged and raw_mode(self):
             unit = all_unit_temperature(host_temperature(self, idx))
             job = _Job(logits, mark, unit, lambda: row_temperature(self, input_batch))
         z = (logits if job is not None else logits.clone()) if want else None

@@ -108,7 +108,7 @@ def _head_stats(mark: Mark, z: torch.Tensor):
     if stats is None or stats.tile_max.shape[0] != z.shape[0] or stats.logits is None \
             or stats.logits.shape != z.shape:
         return None
-    return dataclasses.replace(stats, logits=z)
+    return stats if stats.logits is z else dataclasses.replace(stats, logits=z)
 
 
 def contract_columns(z: torch.Tensor, ids: torch.Tensor, temperature, mark: Mark, *, unit_temperature: bool = False):

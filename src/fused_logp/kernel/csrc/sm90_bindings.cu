@@ -15,7 +15,8 @@ void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor t
 void logits_stats(torch::Tensor logits, torch::Tensor targets, torch::Tensor temperature, int64_t vocab_size,
                   torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor target_logit);
 void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor logits, torch::Tensor ids,
-               int64_t vocab_size, torch::Tensor bad_rows, torch::Tensor logp, torch::Tensor lse);
+               int64_t vocab_size, torch::Tensor bad_rows, torch::Tensor mirror, torch::Tensor logp,
+               torch::Tensor lse);
 std::vector<int64_t> contract_constants();
 std::vector<torch::Tensor> explog(torch::Tensor x);
 torch::Tensor exp_fast(torch::Tensor x);

@@ -85,16 +85,19 @@ merge_kernel(const float* __restrict__ tile_max, const float* __restrict__ tile_
 
 // The merge of a T = 1 serving call's statistics with the logp of `cols` ids per row read from its logits
 // (z'_id = z[id] at T = 1): one block per row. A row with an id outside [0, vocab_size) is invalid: its logp
-// and lse are NaN and it adds 1 to *bad_rows (CONTRACT.md section 0.1); no id outside the row is ever read.
+// and lse are NaN and it adds 1 to bad_rows[0] (CONTRACT.md section 0.1); no id outside the row is ever read.
+// The last block to finish (bad_rows[1] counts finished blocks and is reset by it) stores the running total
+// bad_rows[0] into *mirror, host memory the host reads without synchronising.
 template <typename Id>
 __global__ void __launch_bounds__(kMergeThreads)
 merge_ids_kernel(const float* __restrict__ tile_max, const float* __restrict__ tile_sum, int n_tiles, long long ld,
                  const float* __restrict__ logits, long long ld_z, const Id* __restrict__ ids, long long ld_ids,
                  int cols, long long vocab_size, float* __restrict__ logp, float* __restrict__ lse,
-                 int64_t* __restrict__ bad_rows, int chunk) {
+                 int64_t* __restrict__ bad_rows, int64_t* __restrict__ mirror, int chunk) {
   extern __shared__ float terms[];
   __shared__ float red[kMergeThreads / 32];
   __shared__ float row_lse;
+  __shared__ int last;
   const long long row = blockIdx.x;
   int bad = 0;
   for (int c = threadIdx.x; c < cols; c += kMergeThreads) {
@@ -114,6 +117,17 @@ merge_ids_kernel(const float* __restrict__ tile_max, const float* __restrict__ t
     const float* zr = logits + row * ld_z;
     logp[row * cols + c] = bad ? qnan
         : contract::clamp_nonpos(__fsub_rn(zr[static_cast<long long>(ids[row * ld_ids + c])], row_lse));
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();
+    auto* ticket = reinterpret_cast<unsigned long long*>(bad_rows + 1);
+    last = atomicAdd(ticket, 1ull) == static_cast<unsigned long long>(gridDim.x) - 1;
+    if (last) {
+      *ticket = 0;
+      const unsigned long long total = atomicAdd(reinterpret_cast<unsigned long long*>(bad_rows), 0ull);
+      *reinterpret_cast<volatile long long*>(mirror) = static_cast<long long>(total);
+      __threadfence_system();
+    }
   }
 }
 
@@ -229,9 +243,11 @@ void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor t
 }
 
 // logp of ids [N] or [N, C] (int32 or int64, unit column stride) from a T = 1 call's statistics and logits over the
-// whole real vocabulary; bad_rows: a CUDA int64 counter that every invalid row adds 1 to.
+// whole real vocabulary. bad_rows: CUDA int64 [2] (the running count of invalid rows, then a block ticket kept at
+// 0 between launches); mirror: pinned host int64 [1] that receives the running count at the end of each launch.
 void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor logits, torch::Tensor ids,
-               int64_t vocab_size, torch::Tensor bad_rows, torch::Tensor logp, torch::Tensor lse) {
+               int64_t vocab_size, torch::Tensor bad_rows, torch::Tensor mirror, torch::Tensor logp,
+               torch::Tensor lse) {
   const long long n = tile_max.size(0), t = tile_max.size(1);
   check_f32_2d(tile_max, "tile_max", n, t);
   check_f32_2d(tile_sum, "tile_sum", n, t);
@@ -245,8 +261,12 @@ void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor log
   const long long cols = ids.dim() == 2 ? ids.size(1) : 1;
   const long long ld_ids = ids.stride(0);
   TORCH_CHECK(cols >= 1, "sm90: ids must have at least one column");
-  TORCH_CHECK(bad_rows.is_cuda() && bad_rows.scalar_type() == torch::kInt64 && bad_rows.numel() >= 1,
-              "sm90: bad_rows must be a CUDA int64 counter");
+  TORCH_CHECK(bad_rows.is_cuda() && bad_rows.scalar_type() == torch::kInt64 && bad_rows.numel() == 2 &&
+                  bad_rows.is_contiguous(), "sm90: bad_rows must be a contiguous CUDA int64 [2] counter");
+  TORCH_CHECK(!mirror.is_cuda() && mirror.is_pinned() && mirror.scalar_type() == torch::kInt64 && mirror.numel() == 1,
+              "sm90: mirror must be a pinned host int64 [1] tensor");
+  void* mirror_dev = nullptr;
+  C10_CUDA_CHECK(cudaHostGetDevicePointer(&mirror_dev, mirror.data_ptr(), 0));
   TORCH_CHECK(logp.is_contiguous() && logp.numel() == n * cols && logp.scalar_type() == torch::kFloat32 &&
                   lse.is_contiguous() && lse.numel() == n && lse.scalar_type() == torch::kFloat32,
               "sm90: logp must be contiguous float32 [N * C] and lse [N]");
@@ -258,12 +278,14 @@ void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor log
     merge_ids_kernel<int64_t><<<static_cast<unsigned>(n), kMergeThreads, chunk * sizeof(float), stream>>>(
         tile_max.data_ptr<float>(), tile_sum.data_ptr<float>(), static_cast<int>(t), t, logits.data_ptr<float>(),
         logits.stride(0), ids.data_ptr<int64_t>(), ld_ids, static_cast<int>(cols), vocab_size,
-        logp.data_ptr<float>(), lse.data_ptr<float>(), bad_rows.data_ptr<int64_t>(), chunk);
+        logp.data_ptr<float>(), lse.data_ptr<float>(), bad_rows.data_ptr<int64_t>(),
+        static_cast<int64_t*>(mirror_dev), chunk);
   } else {
     merge_ids_kernel<int32_t><<<static_cast<unsigned>(n), kMergeThreads, chunk * sizeof(float), stream>>>(
         tile_max.data_ptr<float>(), tile_sum.data_ptr<float>(), static_cast<int>(t), t, logits.data_ptr<float>(),
         logits.stride(0), ids.data_ptr<int32_t>(), ld_ids, static_cast<int>(cols), vocab_size,
-        logp.data_ptr<float>(), lse.data_ptr<float>(), bad_rows.data_ptr<int64_t>(), chunk);
+        logp.data_ptr<float>(), lse.data_ptr<float>(), bad_rows.data_ptr<int64_t>(),
+        static_cast<int64_t*>(mirror_dev), chunk);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
