@@ -13,8 +13,8 @@ Parts (each an in-process engine in its own subprocess; the plugin registered by
   speed  --plugin on|off : decode tok/s at 1, 64 and 256 concurrent sequences (Model Runner V2, CUDA graphs), the
          plugin strict without capture against plain vLLM (plugin not registered), same machine, medians of 5
          runs, each after gc.collect() (a full collection of the engine's heap costs ~0.1 s, as long as a whole
-         decode at batch 1: without it a run's time depends on where the collector fires); and the lm_head and
-         sampler host time and device span per step.
+         decode at batch 1: without it a run's time depends on where the collector fires), also without the
+         collector's pauses inside the runs; and the lm_head and sampler host time and device span per step.
   score  : the trainer-side scoring time, linear_logp (SM90) against F.linear + log_softmax + gather.
 """
 from __future__ import annotations
@@ -301,6 +301,14 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     if plugin:
         res["status"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["provenance"]
     g = torch.Generator().manual_seed(3)
+    gc_s, gc_t0 = [0.0], []
+
+    def on_gc(phase, info):           # time in Python's garbage collector during a timed run
+        if phase == "start":
+            gc_t0.append(time.perf_counter())
+        elif gc_t0:
+            gc_s[0] += time.perf_counter() - gc_t0.pop()
+    gc.callbacks.append(on_gc)
     if plugin:
         # vLLM's start-up warm-up and dummy sampler runs must leave no non-contract notes in a strict engine
         res["non_contract_after_start"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["non_contract"]
@@ -310,17 +318,23 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
         params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
                   for i in range(bs)]
         llm.generate(prompts, params, use_tqdm=False)                   # warm-up
-        times = []
+        times, pauses = [], []
         for _ in range(5):
             gc.collect()            # every timed run starts from a collected heap (a full collection costs ~0.1 s)
+            outs = None
             torch.cuda.synchronize()
+            gc_s[0] = 0.0
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+            pauses.append(gc_s[0])
             assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
         med = statistics.median(times)
-        res["batches"][str(bs)] = {"tok_s": round(bs * out_tokens / med, 1), "times_s": [round(x, 4) for x in times]}
+        net = statistics.median(t - p for t, p in zip(times, pauses))
+        res["batches"][str(bs)] = {"tok_s": round(bs * out_tokens / med, 1), "times_s": [round(x, 4) for x in times],
+                                   "gc_pause_s": [round(x, 4) for x in pauses],
+                                   "tok_s_without_gc_pauses": round(bs * out_tokens / net, 1)}
     # host time and device span per decode step of the lm_head and the sampler (one more generate per batch size)
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.worker.gpu.sample.sampler import Sampler
@@ -643,6 +657,10 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
             and "batches" in result.get("speed-off", {}):
         result["speed_ratio_on_over_off"] = {
             b: round(result["speed-on"]["batches"][b]["tok_s"] / result["speed-off"]["batches"][b]["tok_s"], 4)
+            for b in result["speed-on"]["batches"] if b in result["speed-off"]["batches"]}
+        result["speed_ratio_on_over_off_without_gc_pauses"] = {
+            b: round(result["speed-on"]["batches"][b]["tok_s_without_gc_pauses"]
+                     / result["speed-off"]["batches"][b]["tok_s_without_gc_pauses"], 4)
             for b in result["speed-on"]["batches"] if b in result["speed-off"]["batches"]}
     result["wall_s"] = round(time.time() - t0, 1)
     _write(out, result)
