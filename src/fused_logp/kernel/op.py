@@ -530,8 +530,8 @@ _constant_row_views: dict = {}
 
 
 def _constant_row_values(kind, n, device):
-    """[n] int64 zeros ('targets'), FP32 ones ('temperature') or True ('owned') on `device`: slices of one buffer per device, made
-    outside inference mode and never written (a serving engine asks for them every step)."""
+    """[n] int64 zeros ('targets'), FP32 ones ('temperature') or True ('owned') on `device`: slices of one buffer
+    per device, made outside inference mode and never written (a serving engine asks for them every step)."""
     rows = _constant_row_views.get((kind, device, n))
     if rows is not None:
         return rows
