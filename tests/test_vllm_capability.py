@@ -128,3 +128,25 @@ def test_head_calls_vllm_without_skip_gather_on_026(monkeypatch):
     obj._fl_skip_gather = True
     with pytest.raises(TypeError):
         obj._get_logits("h", "head", None)          # the 0.32 call passes skip_gather, which 0.26 lacks
+
+
+def _fake_logprob_module(source: str):
+    import types
+    m = types.ModuleType("fake_logprob")
+    exec(source, m.__dict__)
+    return m
+
+
+def test_mrv2_token_logprobs_shape():
+    """The Model Runner V2 logprob surface is used only where compute_topk_scores looks compute_token_logprobs(logits,
+    token_ids) up by name (vLLM 0.26's source and the installed 0.32 both do); otherwise the columns are rescored."""
+    ctl = "def compute_token_logprobs(logits, token_ids):\n    raise NotImplementedError\n"
+    by_name = "def compute_topk_scores(logits, k, sampled):\n    return compute_token_logprobs(logits, sampled)\n"
+    inline = "def compute_topk_scores(logits, k, sampled):\n    return logits.log_softmax(-1)\n"
+    renamed = "def compute_token_logprobs(x, ids):\n    raise NotImplementedError\n"
+    assert capability.mrv2_token_logprobs_shape(_fake_logprob_module(ctl + by_name))
+    assert not capability.mrv2_token_logprobs_shape(_fake_logprob_module(ctl + inline))
+    assert not capability.mrv2_token_logprobs_shape(_fake_logprob_module(renamed + by_name))
+    assert not capability.mrv2_token_logprobs_shape(_fake_logprob_module(by_name))
+    from vllm.v1.worker.gpu.sample import logprob
+    assert capability.mrv2_token_logprobs_shape(logprob) and capability.detect().mrv2_token_logprobs
