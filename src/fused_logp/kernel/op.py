@@ -90,9 +90,8 @@ def _check_vocab(vocab_size, rows, sharded=False):
         raise ContractInputError(f"vocab_size must be in [1, {rows}] (the weight's rows); got {vocab_size}")
 
 
-def _check_targets(targets, n, vocab_size, device, columns=False, host_check=False):
-    """-> (targets int64, invalid-row mask [N] bool on the device or None). On the CPU, or with host_check,
-    an id outside [0, vocab_size) is refused here; on a device the row is invalid (section 0.1)."""
+def _check_target_form(targets, n, device, columns=False):
+    """Refuse targets that are not an int32/int64 tensor [N] (or [N, C] with C >= 1 where columns) on `device`."""
     dims = (1, 2) if columns else (1,)
     if not isinstance(targets, torch.Tensor) or targets.dim() not in dims or targets.shape[0] != n:
         what = "a 1-D integer tensor [N] or a 2-D one [N, C]" if columns else "a 1-D integer tensor"
@@ -104,6 +103,12 @@ def _check_targets(targets, n, vocab_size, device, columns=False, host_check=Fal
         raise ContractInputError(f"targets must be torch.int64 or torch.int32; got {targets.dtype}")
     if targets.device != device:
         raise ContractInputError(f"targets must be on {device}; got {targets.device}")
+
+
+def _check_targets(targets, n, vocab_size, device, columns=False, host_check=False):
+    """-> (targets int64, invalid-row mask [N] bool on the device or None). On the CPU, or with host_check,
+    an id outside [0, vocab_size) is refused here; on a device the row is invalid (section 0.1)."""
+    _check_target_form(targets, n, device, columns)
     if n == 0:
         return targets.to(torch.int64), None
     if device.type == "cpu" or host_check:
@@ -592,10 +597,7 @@ def logp_of_ids(stats: ShardStats, ids, *, vocab_size, backend=None, strict=None
     be, prov = _resolve(backend, strict, dev)
     if dev.type == "cuda" and hasattr(be, "merge_ids"):
         # one launch: the range check, the gather and the merge; invalid rows are counted by the kernel itself
-        if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or ids.shape[0] != n \
-                or ids.dtype not in (torch.int32, torch.int64) or ids.device != dev \
-                or (ids.dim() == 2 and ids.shape[1] == 0):
-            _check_targets(ids, n, vocab_size, dev, columns=True)           # raises, naming the argument
+        _check_target_form(ids, n, dev, columns=True)
         errs = _row_errors(dev, strict)
         logp, lse = be.merge_ids(stats.tile_max, stats.tile_sum, z, ids, vocab_size=vocab_size, bad_rows=errs.ids,
                                  mirror=errs.ids_mirror)
