@@ -98,10 +98,7 @@ def install_token_logprobs() -> None:
         job = getattr(_job, "job", None)
         if job is None or logits is not job.logits or job.scored:
             return orig(logits, token_ids)
-        new, from_stats = contract_columns(logits, token_ids, job.temperature, job.mark, unit_temperature=job.unit)
-        st = job.mark.state
-        st.rows_head_stats += from_stats
-        st.rows_rescored += int(new.shape[0])
+        new = contract_columns(logits, token_ids, job.temperature, job.mark, unit_temperature=job.unit)
         job.scored = True
         return new
 

@@ -115,19 +115,21 @@ def contract_columns(z: torch.Tensor, ids: torch.Tensor, temperature, mark: Mark
     """[N, C] FP32 on z's device: the contract logp of every id column (ids [N, C] int32/int64) of the unscaled FP32
     logits z [N, V] at the rows' scoring temperature (a tensor [N], or a callable returning it). With
     unit_temperature (every row's scoring temperature known on the host to be 1) the columns come from the head
-    call's own statistics (logp_of_ids, the same bytes) instead of a second pass over the row.
-    -> (logp, rows read from the head statistics)."""
+    call's own statistics (logp_of_ids, the same bytes) instead of a second pass over the row. The rows are counted
+    in the head's record (rows_rescored; rows_head_stats for those read from the statistics)."""
     st = mark.state
+    st.rows_rescored += int(z.shape[0])
     stats = _head_stats(mark, z) if unit_temperature else None
     if stats is not None:
+        st.rows_head_stats += int(z.shape[0])
         ids = ids if ids.device == z.device else ids.to(z.device)
         return logp_of_ids(stats, ids, vocab_size=z.shape[1], backend=st.settings.backend,
-                           strict=st.settings.strict).logp, int(z.shape[0])
+                           strict=st.settings.strict).logp
     if callable(temperature):
         temperature = temperature()
     ids64 = ids.to(device=z.device, dtype=torch.int64)
     return logp_from_logits(z, ids64, temperature=temperature, vocab_size=z.shape[1], backend=st.settings.backend,
-                            strict=st.settings.strict).logp, 0
+                            strict=st.settings.strict).logp
 
 
 def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind="sample", programs=None,
@@ -150,8 +152,7 @@ def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind=
         new = lt.logprobs
     else:
         old = lt.logprobs
-        new, from_stats = contract_columns(z, ids, temperature, mark, unit_temperature=unit_temperature)
-        st.rows_head_stats += from_stats
+        new = contract_columns(z, ids, temperature, mark, unit_temperature=unit_temperature)
         ids64 = None
         for prog, rows in (program_groups(programs, z.shape[1]) if groups is None else groups).items():
             if ids64 is None:
@@ -163,7 +164,6 @@ def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind=
         if new.device != old.device:
             new = new.to(old.device)
         new = new.masked_fill(torch.isneginf(old), float("-inf"))
-        st.rows_rescored += int(new.shape[0])
     if record is not None:
         st.record_programs(*record)
     elif programs is not None and req_ids is not None:
