@@ -288,12 +288,73 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
 # speed
 # --------------------------------------------------------------------------------------------------------------
 
+def _decode_batch(g, bs: int, out_tokens: int, prompt_len: int = 16):
+    """bs random prompts of prompt_len tokens and their sampling params (T = 1, 1 logprob, seed per request, no EOS
+    stop): one decode workload of the speed parts."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (prompt_len,), generator=g).tolist())
+               for _ in range(bs)]
+    params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
+              for i in range(bs)]
+    return prompts, params
+
+
+def _timed_generate(llm, prompts, params, timers=None):
+    """-> (outputs, wall seconds) of one generate between two device synchronisations, with `timers` on."""
+    import torch
+
+    if timers is not None:
+        timers.reset()
+        timers.on = True
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    if timers is not None:
+        timers.on = False
+    return outs, wall
+
+
+class _GcClock:
+    """Time in Python's garbage collector (seconds and collections, by generation) while installed."""
+
+    def __init__(self):
+        self.seconds = {0: 0.0, 1: 0.0, 2: 0.0}
+        self.count = {0: 0, 1: 0, 2: 0}
+        self._start: list = []
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._start.append(time.perf_counter())
+        elif self._start:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start.pop()
+            self.count[info["generation"]] += 1
+
+    def reset(self):
+        for k in self.seconds:
+            self.seconds[k], self.count[k] = 0.0, 0
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def __enter__(self):
+        import gc
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+        gc.callbacks.remove(self._on_gc)
+
+
 def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     import gc
 
     import torch
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     t0 = time.time()
     llm = _engine(model_dir, plugin=plugin, capture=False, eager=False, max_num_seqs=256, share=0.5)
@@ -301,35 +362,22 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     if plugin:
         res["status"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["provenance"]
     g = torch.Generator().manual_seed(3)
-    gc_s, gc_t0 = [0.0], []
-
-    def on_gc(phase, info):           # time in Python's garbage collector during a timed run
-        if phase == "start":
-            gc_t0.append(time.perf_counter())
-        elif gc_t0:
-            gc_s[0] += time.perf_counter() - gc_t0.pop()
-    gc.callbacks.append(on_gc)
     if plugin:
         # vLLM's start-up warm-up and dummy sampler runs must leave no non-contract notes in a strict engine
         res["non_contract_after_start"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["non_contract"]
     for bs in (1, 64, 256):
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist())
-                   for _ in range(bs)]
-        params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
-                  for i in range(bs)]
+        prompts, params = _decode_batch(g, bs, out_tokens)
         llm.generate(prompts, params, use_tqdm=False)                   # warm-up
         times, pauses = [], []
-        for _ in range(5):
-            gc.collect()            # every timed run starts from a collected heap (a full collection costs ~0.1 s)
-            outs = None
-            torch.cuda.synchronize()
-            gc_s[0] = 0.0
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-            pauses.append(gc_s[0])
-            assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
+        with _GcClock() as clock:          # time in Python's garbage collector during each timed run
+            for _ in range(5):
+                outs = None
+                gc.collect()        # every timed run starts from a collected heap (a full collection costs ~0.1 s)
+                clock.reset()
+                outs, wall = _timed_generate(llm, prompts, params)
+                times.append(wall)
+                pauses.append(clock.total())
+                assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
         med = statistics.median(times)
         net = statistics.median(t - p for t, p in zip(times, pauses))
         res["batches"][str(bs)] = {"tok_s": round(bs * out_tokens / med, 1), "times_s": [round(x, 4) for x in times],
@@ -343,23 +391,12 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     timers.wrap(Sampler, "__call__", "sampler")
     res["step_split"] = {}
     for bs in (1, 64, 256):
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist())
-                   for _ in range(bs)]
-        params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
-                  for i in range(bs)]
-        timers.reset()
-        timers.on = True
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-        timers.on = False
+        prompts, params = _decode_batch(g, bs, out_tokens)
+        _, wall = _timed_generate(llm, prompts, params, timers)
         steps = timers.calls["sampler"] or out_tokens
         res["step_split"][str(bs)] = {"steps": steps, "step_wall_ms": round(1e3 * wall / steps, 4),
                                       **timers.report(steps)}
-    for cls, name, orig in timers._undo:
-        setattr(cls, name, orig)
+    timers.unwrap()
     if plugin:          # how many rescored rows were read from the head call's statistics (T = 1 batches)
         head = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
         res["rows"] = {k: head.get(k) for k in ("rows_rescored", "rows_head_stats", "op_calls")}
@@ -406,6 +443,12 @@ class _StepTimers:
         setattr(cls, name, timed)
         self._undo.append((cls, name, orig))
 
+    def unwrap(self):
+        """Put every wrapped method back."""
+        for cls, name, orig in self._undo:
+            setattr(cls, name, orig)
+        self._undo.clear()
+
     def reset(self):
         self.host.clear()
         self.calls.clear()
@@ -429,15 +472,12 @@ def _split_profile(llm, g, plugin: bool, out_tokens: int = 64) -> dict:
     cProfile top functions; torch.profiler kernel totals and host-synchronising calls per step; and, with torch's
     sync debug mode, every synchronising torch call with the stack frames that made it."""
     import cProfile
-    import io
     import pstats
     import warnings
     from collections import Counter
 
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     from vllm.v1.worker.gpu.sample.sampler import Sampler
@@ -449,43 +489,21 @@ def _split_profile(llm, g, plugin: bool, out_tokens: int = 64) -> dict:
     timers.wrap(GPUModelRunner, "sample_tokens", "sample_tokens")
     res = {}
     for bs in (1, 64, 256):
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist())
-                   for _ in range(bs)]
-        params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
-                  for i in range(bs)]
+        prompts, params = _decode_batch(g, bs, out_tokens)
         llm.generate(prompts, params, use_tqdm=False)
         r = {}
-        timers.reset()
-        timers.on = True
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-        timers.on = False
+        _, wall = _timed_generate(llm, prompts, params, timers)
         steps = timers.calls["sample_tokens"] or out_tokens
         r["steps"] = steps
         r["step_wall_ms"] = round(1e3 * wall / steps, 4)
         r["timers"] = timers.report(steps)
         # time in Python's garbage collector per step, by generation
-        import gc
-        gc_t = {0: 0.0, 1: 0.0, 2: 0.0}
-        gc_n = {0: 0, 1: 0, 2: 0}
-        gc_start = []
-
-        def on_gc(phase, info):
-            if phase == "start":
-                gc_start.append(time.perf_counter())
-            elif gc_start:
-                gc_t[info["generation"]] += time.perf_counter() - gc_start.pop()
-                gc_n[info["generation"]] += 1
-        gc.callbacks.append(on_gc)
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        r["gc_check_step_wall_ms"] = round(1e3 * (time.perf_counter() - t) / steps, 4)
-        gc.callbacks.remove(on_gc)
-        r["gc_ms_per_step"] = {g: round(1e3 * gc_t[g] / steps, 4) for g in gc_t}
-        r["gc_collections"] = gc_n
+        with _GcClock() as clock:
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            r["gc_check_step_wall_ms"] = round(1e3 * (time.perf_counter() - t) / steps, 4)
+        r["gc_ms_per_step"] = {k: round(1e3 * v / steps, 4) for k, v in clock.seconds.items()}
+        r["gc_collections"] = dict(clock.count)
         # cProfile of one generate (the engine core's loop and the worker run in this thread)
         pr = cProfile.Profile()
         pr.enable()
@@ -536,31 +554,8 @@ def _split_profile(llm, g, plugin: bool, out_tokens: int = 64) -> dict:
             warnings.showwarning = orig_show
         r["synchronising_torch_calls_per_step"] = {k: round(v / steps, 2) for k, v in seen.most_common(25)}
         res[str(bs)] = r
-    for cls, name, orig in timers._undo:
-        setattr(cls, name, orig)
+    timers.unwrap()
     return res
-
-
-def _profile_decode(llm, g, bs: int = 64, out_tokens: int = 16) -> dict:
-    """torch.profiler over one generate call: the top CUDA kernels and CPU ops by time, and the host
-    synchronisations (the plugin's cost split for the next run)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (16,), generator=g).tolist()) for _ in range(bs)]
-    params = [SamplingParams(max_tokens=out_tokens, temperature=1.0, logprobs=1, seed=i, ignore_eos=True)
-              for i in range(bs)]
-    llm.generate(prompts, params, use_tqdm=False)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-    ev = prof.key_averages()
-    cuda = sorted(ev, key=lambda e: -getattr(e, "device_time_total", 0))[:15]
-    cpu = sorted(ev, key=lambda e: -e.cpu_time_total)[:25]
-    syncs = {e.key: e.count for e in ev if "Synchronize" in e.key or "Memcpy" in e.key or "item" in e.key}
-    return {"cuda_top_us": {e.key[:80]: round(getattr(e, "device_time_total", 0), 1) for e in cuda},
-            "cpu_top_us": {e.key[:80]: round(e.cpu_time_total, 1) for e in cpu}, "sync_like_counts": syncs}
 
 
 def run_score() -> dict:
