@@ -356,6 +356,12 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
 
     import torch
 
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    # vLLM's own Sampler.__call__, timed inside the plugin's wrapper (wrapped before the engine installs the plugin;
+    # the part's process ends with it, so it is never put back): sampler - sampler_inner is the wrapper's own time
+    timers = _StepTimers()
+    timers.wrap(Sampler, "__call__", "sampler_inner", restore=False)
     t0 = time.time()
     llm = _engine(model_dir, plugin=plugin, capture=False, eager=False, max_num_seqs=256, share=0.5)
     res = {"plugin": plugin, "start_s": round(time.time() - t0, 1), "out_tokens": out_tokens, "batches": {}}
@@ -370,7 +376,7 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
         llm.generate(prompts, params, use_tqdm=False)                   # warm-up
         times, pauses = [], []
         with _GcClock() as clock:          # time in Python's garbage collector during each timed run
-            for _ in range(5):
+            for _ in range(9):
                 outs = None
                 gc.collect()        # every timed run starts from a collected heap (a full collection costs ~0.1 s)
                 clock.reset()
@@ -383,12 +389,19 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
         res["batches"][str(bs)] = {"tok_s": round(bs * out_tokens / med, 1), "times_s": [round(x, 4) for x in times],
                                    "gc_pause_s": [round(x, 4) for x in pauses],
                                    "tok_s_without_gc_pauses": round(bs * out_tokens / net, 1)}
-    # host time and device span per decode step of the lm_head and the sampler (one more generate per batch size)
+    # host time and device span per decode step of the lm_head, the sampler and its parts (one more generate per
+    # batch size): sampler (with the plugin's wrapper), sampler_inner (vLLM's own), sample (vLLM's Sampler.sample),
+    # topk_scores (vLLM's compute_topk_scores), token_logprobs (the logprob kernel it calls: the plugin's contract
+    # columns when on), torch.topk (inside compute_topk_scores)
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.v1.worker.gpu.sample.sampler import Sampler
-    timers = _StepTimers()
+    from vllm.v1.worker.gpu.sample import logprob as logprob_mod
+    from vllm.v1.worker.gpu.sample import sampler as sampler_mod
     timers.wrap(LogitsProcessor, "forward", "lm_head")
     timers.wrap(Sampler, "__call__", "sampler")
+    timers.wrap(Sampler, "sample", "sample")
+    timers.wrap(sampler_mod, "compute_topk_scores", "topk_scores")
+    timers.wrap(logprob_mod, "compute_token_logprobs", "token_logprobs")
+    timers.wrap(torch, "topk", "torch.topk")
     res["step_split"] = {}
     for bs in (1, 64, 256):
         prompts, params = _decode_batch(g, bs, out_tokens)
@@ -418,7 +431,8 @@ class _StepTimers:
         self.events = collections.defaultdict(list)
         self._undo = []
 
-    def wrap(self, cls, name, key):
+    def wrap(self, cls, name, key, restore: bool = True):
+        """Time cls.name (a class or a module attribute) under `key`; unwrap() puts it back unless restore=False."""
         import functools
 
         import torch
@@ -441,7 +455,8 @@ class _StepTimers:
                 e.record()
                 timers.events[key].append((s, e))
         setattr(cls, name, timed)
-        self._undo.append((cls, name, orig))
+        if restore:
+            self._undo.append((cls, name, orig))
 
     def unwrap(self):
         """Put every wrapped method back."""

@@ -288,6 +288,30 @@ def test_mrv2_request_flags():
     assert not f.program[5] and f.epoch[5] == -1
 
 
+def test_mrv2_step_summary_once_per_rows_and_version():
+    """A step's summary of its rows' flags is reused while the rows and the flags stay the same, found again when
+    either changes (a new request in a slot), and absent for rows with a slot never added (vLLM's dummy runs)."""
+    import numpy as np
+
+    from fused_logp.kernel.transforms import TransformProgram
+    from fused_logp.vllm_plugin.mrv2_sampler import _Flags
+
+    f = _Flags(8)
+    f.set(0, TransformProgram(temperature=1.0), [])
+    f.set(1, None, [])
+    rows = np.array([0, 1], dtype=np.int32)
+    a = f.summary(rows)
+    assert (a.program, a.nonneutral, a.flagged) == (True, False, False)
+    a.recorded = ("state", 0)
+    assert f.summary(np.array([0, 1], dtype=np.int32)) is a            # same rows, same flags: the same summary
+    b = f.summary(np.array([1], dtype=np.int32))
+    assert b is not a and (b.program, b.nonneutral, b.flagged) == (False, False, False)
+    f.set(1, TransformProgram(temperature=0.7, top_k=5), ["presence_penalty=0.5"])
+    c = f.summary(rows)
+    assert c is not a and c.recorded is None and (c.program, c.nonneutral, c.flagged) == (True, True, True)
+    assert f.summary(np.array([0, 8], dtype=np.int32)) is None
+
+
 def test_v1_row_batch_once_per_composition_and_epoch():
     """The V1 runner's RowBatch: the same rows (request ids in row order, with or without programs) reuse it; the
     program groups are computed once per vocabulary size; the rows' programs are recorded for the programs RPC

@@ -176,23 +176,22 @@ class SM90Backend:
                 "tile_offset": vocab_start // _TILE, "logits": logits}
 
     def logits_and_stats(self, hidden, weight, *, zeros, ones, vocab_size, bias):
-        """A serving head: FP32 logits [N, vocab_size] and the T = 1 tile statistics of every row, one launch. zeros
-        [N] int64 are the target ids (their slots go to a scratch row, which is returned), ones [N] FP32 the
-        temperatures."""
-        scratch = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        tile_max, tile_sum, logits = self._stats(hidden, weight, zeros, ones, bias, 0, vocab_size, True, scratch)
+        """A serving head: FP32 logits [N, vocab_size] and the T = 1 tile statistics of every row, one launch, its
+        outputs allocated by the extension (no Python per output). zeros [N] int64 are the target ids (their slots go
+        to a scratch row, which is returned), ones [N] FP32 the temperatures."""
+        tile_max, tile_sum, logits, scratch = self._module().logits_and_stats(
+            hidden, weight, zeros, ones, bias, vocab_size, self._launch_id(hidden.shape[0]), self.poison)
         return tile_max, tile_sum, logits, scratch
 
     def merge_ids(self, tile_max, tile_sum, logits, ids, *, vocab_size, bad_rows, mirror):
         """logp of ids [N] or [N, C] (int32/int64) and lse [N] from a T = 1 call's statistics and logits over the
-        whole real vocabulary: the row merge with z'_id = z[id], in one launch. A row with an id outside
-        [0, vocab_size) gets NaN logp and lse and adds 1 to bad_rows[0] (CUDA int64 [2]: the running count and a
-        block ticket kept at 0); the launch stores the running count into mirror (pinned host int64 [1])."""
-        n = tile_max.shape[0]
+        whole real vocabulary: the row merge with z'_id = z[id], in one launch (outputs allocated by the extension).
+        A row with an id outside [0, vocab_size) gets NaN logp and lse and adds 1 to bad_rows[0] (CUDA int64 [2]:
+        the running count and a block ticket kept at 0); the launch stores the running count into mirror (pinned
+        host int64 [1])."""
         ids = ids if ids.dim() == 1 or ids.stride(-1) == 1 else ids.contiguous()
-        logp = self._empty(*ids.shape, device=tile_max.device)
-        lse = self._empty(n, device=tile_max.device)
-        self._module().merge_ids(tile_max, tile_sum, logits, ids, int(vocab_size), bad_rows, mirror, logp, lse)
+        logp, lse = self._module().merge_ids(tile_max, tile_sum, logits, ids, int(vocab_size), bad_rows, mirror,
+                                             self.poison)
         return logp, lse
 
     def merge_stats(self, tile_max, tile_sum, target_logit):

@@ -46,9 +46,24 @@ def host_temperature(sampler, idx):
     return None if t is None else t[idx]
 
 
+class _Summary:
+    """What a step needs to know of its rows' flags, found once per (rows, flags version): any row with a program
+    that may not be neutral, with non-contract features, with a program at all; and the (head state, programs-RPC
+    epoch) at which these rows' programs were last recorded."""
+    __slots__ = ("key", "version", "nonneutral", "flagged", "program", "recorded")
+
+    def __init__(self, key, version, flags, rows):
+        self.key, self.version, self.recorded = key, version, None     # recorded: (head state, programs epoch)
+        self.nonneutral = bool(flags.nonneutral[rows].any())
+        self.flagged = bool(flags.flagged[rows].any())
+        self.program = bool(flags.program[rows].any())
+
+
 class _Flags:
     """Per request slot (vLLM's req_idx): has a program that may not be neutral, has non-contract features, has a
-    program at all, and the programs-RPC epoch at which its program was last recorded."""
+    program at all, and the programs-RPC epoch at which its program was last recorded. `version` counts the
+    add_request calls that set flags; a step's _Summary is reused while its rows and the version stay the same
+    (a decode batch keeps both from step to step)."""
 
     def __init__(self, size: int):
         self.size = size
@@ -56,6 +71,8 @@ class _Flags:
         self.nonneutral = np.zeros(size, dtype=bool)
         self.flagged = np.zeros(size, dtype=bool)
         self.epoch = np.full(size, _NO_EPOCH, dtype=np.int64)
+        self.version = 0
+        self._summary: _Summary | None = None
 
     def grown(self, req_idx: int) -> "_Flags":
         if req_idx < self.size:
@@ -70,9 +87,22 @@ class _Flags:
         self.nonneutral[req_idx] = prog is not None and not prog.is_neutral(_ANY_VOCAB)
         self.flagged[req_idx] = bool(reasons)
         self.epoch[req_idx] = _NO_EPOCH
+        self.version += 1
 
     def covers(self, rows) -> bool:
         return len(rows) == 0 or int(rows.max()) < self.size
+
+    def summary(self, rows) -> _Summary | None:
+        """The _Summary of these rows (vLLM's request slots, a numpy int array), or None where a row's slot was
+        never added (vLLM's dummy runs)."""
+        key = rows.tobytes()
+        sm = self._summary
+        if sm is not None and sm.version == self.version and sm.key == key:
+            return sm
+        if not self.covers(rows):
+            return None
+        sm = self._summary = _Summary(key, self.version, self, rows)
+        return sm
 
 
 class _Job:
@@ -157,12 +187,13 @@ def install(shapes) -> None:
         expanded = logits.shape[0] != len(idx)
         rows = input_batch.expanded_idx_mapping.cpu().numpy() if expanded else idx
         flags = d.get("_fused_logp_flags")
-        if flags is not None and not flags.covers(rows):
+        summary = None if flags is None else flags.summary(rows)
+        if summary is None:
             flags = None                                  # a slot never added (vLLM's dummy runs): no shortcuts
         capture = mark is not None and mark.state.settings.capture
         progs = d.get("_fused_logp_programs", {})
         programs = None
-        if flags is None or capture or expanded or flags.nonneutral[rows].any():
+        if flags is None or capture or expanded or summary.nonneutral:
             programs = [progs.get(int(i)) for i in rows]
         groups = program_groups(programs, logits.shape[1])
         keep = kept_rows(logits, groups)              # on the unscaled FP32 logits
@@ -173,7 +204,7 @@ def install(shapes) -> None:
             out = orig_call(self, logits.masked_fill(~keep, float("-inf")), input_batch, *args, **kwargs)
             check_sampled(keep, out.sampled_token_ids, groups, None)
             return out
-        any_flagged = flags is None or bool(flags.flagged[idx].any())
+        any_flagged = flags is None or (summary.flagged if not expanded else bool(flags.flagged[idx].any()))
         if any_flagged:
             flagged = d.get("_fused_logp_flagged", {})
             for i, rid in zip(idx, input_batch.req_ids):
@@ -202,11 +233,15 @@ def install(shapes) -> None:
             req_ids = list(input_batch.req_ids)
             record = None
             if flags is not None and programs is None and not expanded:
-                # record each request's program once per programs-RPC epoch (not a dict lookup per row per step)
+                # record each request's program once per programs-RPC epoch (not a dict lookup per row per step);
+                # a batch without any program records nothing
+                record = ((), ())
                 st = mark.state
-                new = np.nonzero(flags.program[idx] & (flags.epoch[idx] != st.programs_epoch))[0]
-                record = ([req_ids[r] for r in new], [progs.get(int(idx[r])) for r in new])
-                flags.epoch[idx[new]] = st.programs_epoch
+                if summary.program and summary.recorded != (st, st.programs_epoch):
+                    new = np.nonzero(flags.program[idx] & (flags.epoch[idx] != st.programs_epoch))[0]
+                    record = ([req_ids[r] for r in new], [progs.get(int(idx[r])) for r in new])
+                    flags.epoch[idx[new]] = st.programs_epoch
+                    summary.recorded = (st, st.programs_epoch)
             unit = job.unit if job is not None else \
                 not expanded and all_unit_temperature(host_temperature(self, idx))
             out.logprobs_tensors = rescore(out.logprobs_tensors, z, lambda: row_temperature(self, input_batch),

@@ -14,9 +14,12 @@ void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor t
                  torch::Tensor lse);
 void logits_stats(torch::Tensor logits, torch::Tensor targets, torch::Tensor temperature, int64_t vocab_size,
                   torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor target_logit);
-void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor logits, torch::Tensor ids,
-               int64_t vocab_size, torch::Tensor bad_rows, torch::Tensor mirror, torch::Tensor logp,
-               torch::Tensor lse);
+std::vector<torch::Tensor> logits_and_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor zeros,
+                                            torch::Tensor ones, c10::optional<torch::Tensor> bias, int64_t n_real,
+                                            int64_t launch, c10::optional<int64_t> poison);
+std::vector<torch::Tensor> merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor logits,
+                                     torch::Tensor ids, int64_t vocab_size, torch::Tensor bad_rows,
+                                     torch::Tensor mirror, c10::optional<int64_t> poison);
 std::vector<int64_t> contract_constants();
 std::vector<torch::Tensor> explog(torch::Tensor x);
 torch::Tensor exp_fast(torch::Tensor x);
@@ -33,6 +36,8 @@ torch::Tensor fingerprint_rows(torch::Tensor words, torch::Tensor mult, int64_t 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_stats", &sm90::fused_stats, "GEMM + contract tile statistics (sm_90a)");
   m.def("merge_stats", &sm90::merge_stats, "contract row merge");
+  m.def("logits_and_stats", &sm90::logits_and_stats,
+        "serving head: fused_stats at T = 1 with FP32 logits, outputs allocated by the extension");
   m.def("merge_ids", &sm90::merge_ids, "contract row merge of a T = 1 call with the logp of ids read from its logits");
   m.def("logits_stats", &sm90::logits_stats, "contract tile statistics from FP32 logits");
   m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");

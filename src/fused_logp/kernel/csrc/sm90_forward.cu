@@ -18,6 +18,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "contract_math.cuh"
 #include "launch.cuh"
 
@@ -97,7 +99,6 @@ merge_ids_kernel(const float* __restrict__ tile_max, const float* __restrict__ t
   extern __shared__ float terms[];
   __shared__ float red[kMergeThreads / 32];
   __shared__ float row_lse;
-  __shared__ int last;
   const long long row = blockIdx.x;
   int bad = 0;
   for (int c = threadIdx.x; c < cols; c += kMergeThreads) {
@@ -121,8 +122,7 @@ merge_ids_kernel(const float* __restrict__ tile_max, const float* __restrict__ t
   if (threadIdx.x == 0) {
     __threadfence();
     auto* ticket = reinterpret_cast<unsigned long long*>(bad_rows + 1);
-    last = atomicAdd(ticket, 1ull) == static_cast<unsigned long long>(gridDim.x) - 1;
-    if (last) {
+    if (atomicAdd(ticket, 1ull) == static_cast<unsigned long long>(gridDim.x) - 1) {   // the launch's last block
       *ticket = 0;
       const unsigned long long total = atomicAdd(reinterpret_cast<unsigned long long*>(bad_rows), 0ull);
       *reinterpret_cast<volatile long long*>(mirror) = static_cast<long long>(total);
@@ -183,6 +183,14 @@ static void check_f32_2d(const torch::Tensor& t, const char* name, long long row
               "sm90: ", name, " must be a contiguous CUDA float32 [", rows, ", ", cols, "] tensor");
 }
 
+// A float32 output on like's device; filled with the int32 pattern `poison` where given (tests: an output the
+// kernel leaves unwritten shows).
+static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& like, c10::optional<int64_t> poison) {
+  torch::Tensor out = torch::empty(shape, like.options().dtype(torch::kFloat32));
+  if (poison.has_value()) out.view(torch::kInt32).fill_(*poison);
+  return out;
+}
+
 // Tile statistics of a weight (shard) whose row 0 is vocabulary id vocab_start; n_real real columns.
 // launch (kernel/sm90.py LAUNCHES, where "auto" is resolved by row count): 1 = CTA 128x256, 2 = CTA 64x256,
 // 3 = CTA 64x128; + 16 = timing hook (mainloop only, statistics not computed).
@@ -220,6 +228,23 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
   }
 }
 
+// A serving head: the fused kernel at T = 1 over vocabulary ids [0, n_real) with its FP32 logits, outputs allocated
+// here. zeros [N] int64 are the target ids and ones [N] float32 the temperatures (constant buffers); the target
+// slots go to a scratch row. -> {tile_max [N, nt], tile_sum [N, nt], logits [N, n_real], scratch [N]}.
+std::vector<torch::Tensor> logits_and_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor zeros,
+                                            torch::Tensor ones, c10::optional<torch::Tensor> bias, int64_t n_real,
+                                            int64_t launch, c10::optional<int64_t> poison) {
+  const int64_t n = hidden.size(0);
+  const int64_t nt = (n_real + kTile - 1) / kTile;
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  torch::Tensor tile_max = output_f32(std::vector<int64_t>{n, nt}, hidden, poison);
+  torch::Tensor tile_sum = output_f32(std::vector<int64_t>{n, nt}, hidden, poison);
+  torch::Tensor logits = output_f32(std::vector<int64_t>{n, n_real}, hidden, poison);
+  torch::Tensor scratch = output_f32(std::vector<int64_t>{n}, hidden, poison);
+  fused_stats(hidden, weight, zeros, ones, bias, 0, n_real, tile_max, tile_sum, scratch, logits, launch);
+  return {tile_max, tile_sum, logits, scratch};
+}
+
 void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor target_logit, torch::Tensor logp,
                  torch::Tensor lse) {
   TORCH_CHECK(tile_max.dim() == 2 && tile_max.sizes() == tile_sum.sizes(), "sm90: statistics shapes differ");
@@ -245,9 +270,9 @@ void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor t
 // logp of ids [N] or [N, C] (int32 or int64, unit column stride) from a T = 1 call's statistics and logits over the
 // whole real vocabulary. bad_rows: CUDA int64 [2] (the running count of invalid rows, then a block ticket kept at
 // 0 between launches); mirror: pinned host int64 [1] that receives the running count at the end of each launch.
-void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor logits, torch::Tensor ids,
-               int64_t vocab_size, torch::Tensor bad_rows, torch::Tensor mirror, torch::Tensor logp,
-               torch::Tensor lse) {
+std::vector<torch::Tensor> merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor logits,
+                                     torch::Tensor ids, int64_t vocab_size, torch::Tensor bad_rows,
+                                     torch::Tensor mirror, c10::optional<int64_t> poison) {
   const long long n = tile_max.size(0), t = tile_max.size(1);
   check_f32_2d(tile_max, "tile_max", n, t);
   check_f32_2d(tile_sum, "tile_sum", n, t);
@@ -267,11 +292,12 @@ void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor log
               "sm90: mirror must be a pinned host int64 [1] tensor");
   void* mirror_dev = nullptr;
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&mirror_dev, mirror.data_ptr(), 0));
-  TORCH_CHECK(logp.is_contiguous() && logp.numel() == n * cols && logp.scalar_type() == torch::kFloat32 &&
-                  lse.is_contiguous() && lse.numel() == n && lse.scalar_type() == torch::kFloat32,
-              "sm90: logp must be contiguous float32 [N * C] and lse [N]");
-  if (n == 0) return;
   const c10::cuda::CUDAGuard guard(tile_max.device());
+  const int64_t rows = n, width = cols;
+  torch::Tensor logp = output_f32(ids.dim() == 2 ? std::vector<int64_t>{rows, width} : std::vector<int64_t>{rows},
+                                  tile_max, poison);
+  torch::Tensor lse = output_f32(std::vector<int64_t>{rows}, tile_max, poison);
+  if (n == 0) return {logp, lse};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int chunk = static_cast<int>(std::min<long long>(t, kMergeMaxSmemTiles));
   if (ids.scalar_type() == torch::kInt64) {
@@ -288,6 +314,7 @@ void merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor log
         static_cast<int64_t*>(mirror_dev), chunk);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {logp, lse};
 }
 
 void logits_stats(torch::Tensor logits, torch::Tensor targets, torch::Tensor temperature, int64_t vocab_size,
