@@ -165,7 +165,7 @@ VLLM_GPU_ENV = PYTHONPATH=/tmp/vsite:$(VLLM_GPU_LIB):$(CURDIR)/tests PYTHONUNBUF
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 NCCL_NVLS_ENABLE=0
 VLLM_GPU_OUT = $${OUT:-out}
 
-.PHONY: vllm-gpu-parts vllm-gpu-src vllm-gpu vllm-gpu-profile vllm-gpu-mp vllm-gpu-ready vllm-gpu-sm90
+.PHONY: vllm-gpu-parts vllm-gpu-src vllm-gpu vllm-gpu-speed vllm-gpu-profile vllm-gpu-mp vllm-gpu-ready vllm-gpu-sm90
 vllm-gpu-parts:
 	bash tools/vllm_gpu_parts.sh $(CURDIR) --slim --download --part-mib 57
 	ls -l build/vllm-gpu/*
@@ -191,6 +191,13 @@ vllm-gpu: vllm-gpu-sm90
 	$(VLLM_GPU_ENV) $(PYTHON) -P bench/vllm_gpu.py all --out $(VLLM_GPU_OUT)/vllm-gpu; rc=$$?; \
 	cp $(VLLM_GPU_OUT)/vllm-gpu/vllm-gpu.json $(VLLM_GPU_OUT)/vllm-gpu.json; \
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu.tgz -C $(VLLM_GPU_OUT) vllm-gpu && rm -rf $(VLLM_GPU_OUT)/vllm-gpu; exit $$rc
+
+# Only the speed parts of vllm-gpu (no checks, no trainer-side scoring): SPEED_ROUNDS alternating off/on engines.
+vllm-gpu-speed: vllm-gpu-sm90
+	$(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_SPEED_ONLY=1 FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS=$(or $(SPEED_ROUNDS),2) \
+		$(PYTHON) -P bench/vllm_gpu.py all --out $(VLLM_GPU_OUT)/vllm-gpu-speed; rc=$$?; \
+	cp $(VLLM_GPU_OUT)/vllm-gpu-speed/vllm-gpu.json $(VLLM_GPU_OUT)/vllm-gpu-speed.json; \
+	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-speed.tgz -C $(VLLM_GPU_OUT) vllm-gpu-speed && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-speed; exit $$rc
 
 vllm-gpu-profile: vllm-gpu-sm90
 	mkdir -p $(VLLM_GPU_OUT)/vllm-gpu-profile

@@ -402,6 +402,15 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     timers.wrap(sampler_mod, "compute_topk_scores", "topk_scores")
     timers.wrap(logprob_mod, "compute_token_logprobs", "token_logprobs")
     timers.wrap(torch, "topk", "torch.topk")
+    # host only: vLLM's logprobs probe, the runner's wait for the step's output copy (async scheduling), and the
+    # functions the plugin's wrapper calls outside vLLM's sampler
+    from vllm.v1.worker.gpu.async_utils import AsyncOutput
+    timers.wrap(Sampler, "returns_logprobs", "returns_logprobs", device=False)
+    timers.wrap(AsyncOutput, "get_output", "async_get_output", device=False)
+    if plugin:
+        from fused_logp.vllm_plugin import mrv2_sampler
+        for fn in ("mark_of", "host_temperature", "all_unit_temperature", "program_groups", "kept_rows", "rescore"):
+            timers.wrap(mrv2_sampler, fn, "wrapper." + fn, device=False)
     res["step_split"] = {}
     for bs in (1, 64, 256):
         prompts, params = _decode_batch(g, bs, out_tokens)
@@ -431,8 +440,9 @@ class _StepTimers:
         self.events = collections.defaultdict(list)
         self._undo = []
 
-    def wrap(self, cls, name, key, restore: bool = True):
-        """Time cls.name (a class or a module attribute) under `key`; unwrap() puts it back unless restore=False."""
+    def wrap(self, cls, name, key, restore: bool = True, device: bool = True):
+        """Time cls.name (a class or a module attribute) under `key`; unwrap() puts it back unless restore=False.
+        device=False: host time only (no CUDA events: for small host-side functions)."""
         import functools
 
         import torch
@@ -443,6 +453,13 @@ class _StepTimers:
         def timed(*args, **kwargs):
             if not timers.on:
                 return orig(*args, **kwargs)
+            if not device:
+                t = time.perf_counter()
+                try:
+                    return orig(*args, **kwargs)
+                finally:
+                    timers.host[key] += time.perf_counter() - t
+                    timers.calls[key] += 1
             s = torch.cuda.Event(enable_timing=True)
             s.record()
             t = time.perf_counter()
@@ -475,8 +492,9 @@ class _StepTimers:
         out = {}
         for k in self.calls:
             dev = sum(s.elapsed_time(e) for s, e in self.events[k])
-            out[k] = {"calls": self.calls[k], "host_ms_per_step": round(1e3 * self.host[k] / steps, 4),
-                      "device_span_ms_per_step": round(dev / steps, 4)}
+            out[k] = {"calls": self.calls[k], "host_ms_per_step": round(1e3 * self.host[k] / steps, 4)}
+            if self.events[k]:
+                out[k]["device_span_ms_per_step"] = round(dev / steps, 4)
         return out
 
 
@@ -643,12 +661,13 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
         result["sm90"] = f"{type(e).__name__}: {e}"
     make_model(model_dir)
     result["model"] = {"hidden": HIDDEN, "vocab": VOCAB, "layers": LAYERS, "made_s": round(time.time() - t0, 1)}
-    if not os.environ.get("FUSED_LOGP_VLLM_BENCH_CHECKS_ONLY"):
+    speed_only = bool(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_ONLY"))
+    if not os.environ.get("FUSED_LOGP_VLLM_BENCH_CHECKS_ONLY") and not speed_only:
         result["score"] = run_score()
     _write(out, result)
 
     procs = {}
-    for runner in ("v2", "v1"):
+    for runner in (() if speed_only else ("v2", "v1")):
         for mode in ("default", "eager"):
             name = f"check-{runner}-{mode}"
             env_runner = "1" if runner == "v2" else "0"
@@ -657,24 +676,48 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
                                   "--json", str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     _wait(procs, t0 + deadline_s * 0.6, result, out)
-    for plugin in (() if os.environ.get("FUSED_LOGP_VLLM_BENCH_CHECKS_ONLY") else ("off", "on")):
-        name = f"speed-{plugin}"
-        p = _child(["speed", "--plugin", plugin, "--model-dir", str(model_dir), "--json", str(out / f"{name}.json")],
-                   out / f"{name}.log", 0)[0]
-        limit = 170 if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE") else 100     # the split profile runs after
-        _wait({name: p}, min(time.time() + limit, t0 + deadline_s), result, out)
-    if "speed-on" in result and "speed-off" in result and "batches" in result["speed-on"] \
-            and "batches" in result.get("speed-off", {}):
-        result["speed_ratio_on_over_off"] = {
-            b: round(result["speed-on"]["batches"][b]["tok_s"] / result["speed-off"]["batches"][b]["tok_s"], 4)
-            for b in result["speed-on"]["batches"] if b in result["speed-off"]["batches"]}
+    # plain vLLM and the plugin in alternating engines (off, on, off, on, ...: SPEED_ROUNDS rounds), so that a drift
+    # of the machine's speed during the run falls on both; each figure pools every timed run of its engine kind
+    rounds = 0 if os.environ.get("FUSED_LOGP_VLLM_BENCH_CHECKS_ONLY") else \
+        int(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS", "2"))
+    for r in range(rounds):
+        for plugin in ("off", "on"):
+            name = f"speed-{plugin}" + (f"-r{r}" if r else "")
+            p = _child(["speed", "--plugin", plugin, "--model-dir", str(model_dir), "--json",
+                        str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
+            limit = 170 if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE") else 110     # the split profile runs after
+            _wait({name: p}, min(time.time() + limit, t0 + deadline_s), result, out)
+    if rounds:
+        result["speed_pooled"] = _pool_speed(result, rounds)
+        result["speed_ratio_on_over_off"] = {b: x["ratio"] for b, x in result["speed_pooled"].items()}
         result["speed_ratio_on_over_off_without_gc_pauses"] = {
-            b: round(result["speed-on"]["batches"][b]["tok_s_without_gc_pauses"]
-                     / result["speed-off"]["batches"][b]["tok_s_without_gc_pauses"], 4)
-            for b in result["speed-on"]["batches"] if b in result["speed-off"]["batches"]}
+            b: x["ratio_without_gc_pauses"] for b, x in result["speed_pooled"].items()}
     result["wall_s"] = round(time.time() - t0, 1)
     _write(out, result)
     return result
+
+
+def _pool_speed(result, rounds: int) -> dict:
+    """Per batch size: tok/s of each engine kind from the median of all its timed runs over the rounds, the ratio
+    on / off, the same without the garbage collector's pauses, and the per-round ratios."""
+    pooled = {}
+    names = {k: [f"speed-{k}" + (f"-r{r}" if r else "") for r in range(rounds)] for k in ("off", "on")}
+    runs = {k: [result.get(n, {}).get("batches") for n in names[k]] for k in names}
+    if not all(runs["off"]) or not all(runs["on"]):
+        return {"error": "a speed part has no batches: see its log"}
+    out_tokens = result[names["on"][0]].get("out_tokens", 64)
+    for b in runs["on"][0]:
+        toks = int(b) * out_tokens                                                          # tokens per run
+        med = {k: statistics.median(t for x in runs[k] for t in x[b]["times_s"]) for k in runs}
+        net = {k: statistics.median(t - g for x in runs[k] for t, g in zip(x[b]["times_s"], x[b]["gc_pause_s"]))
+               for k in runs}
+        pooled[b] = {"tok_s_off": round(toks / med["off"], 1), "tok_s_on": round(toks / med["on"], 1),
+                     "ratio": round(med["off"] / med["on"], 4),
+                     "ratio_without_gc_pauses": round(net["off"] / net["on"], 4),
+                     "ratio_per_round": [round(on[b]["tok_s"] / off[b]["tok_s"], 4)
+                                         for off, on in zip(runs["off"], runs["on"])],
+                     "runs_per_engine_kind": sum(len(x[b]["times_s"]) for x in runs["on"])}
+    return pooled
 
 
 def _wait(procs, until, result, out):
