@@ -16,7 +16,10 @@ Where vLLM's logprob module has the known shape (capability.HookShapes.mrv2_toke
 raw logits (logprobs_mode raw_logprobs), a step without program rows or flagged requests does not rescore: its
 logprob columns are the contract's from the start, because vLLM's own logprob kernel (compute_token_logprobs) is
 replaced for that call by the contract columns of the same ids (scoring.contract_columns). vLLM never writes the
-raw logits in that mode (it computes its raw logprobs from them after sampling), so they are read without a copy."""
+raw logits in that mode (it computes its raw logprobs from them after sampling), so they are read without a copy.
+Such a step (`plain_step`, the common decode step) does nothing else around vLLM's sampler: its rows' summary
+(_Summary: flags and whether every row's scoring temperature is 1) is kept from step to step while the batch's rows
+and requests stay the same, and vLLM's answer whether logprobs are returned is read from its output."""
 from __future__ import annotations
 
 import functools
@@ -50,10 +53,13 @@ class _Summary:
     """What a step needs to know of its rows' flags, found once per (rows, flags version): any row with a program
     that may not be neutral, with non-contract features, with a program at all; and the (head state, programs-RPC
     epoch) at which these rows' programs were last recorded."""
-    __slots__ = ("key", "version", "nonneutral", "flagged", "program", "recorded")
+    __slots__ = ("key", "version", "nonneutral", "flagged", "program", "recorded", "unit")
 
     def __init__(self, key, version, flags, rows):
         self.key, self.version, self.recorded = key, version, None     # recorded: (head state, programs epoch)
+        # all_unit_temperature of vLLM's host temperatures of these rows, found at the first step that needs it.
+        # vLLM writes a slot's temperature in its add_request only (0.26, 0.32), which bumps the version.
+        self.unit = None
         self.nonneutral = bool(flags.nonneutral[rows].any())
         self.flagged = bool(flags.flagged[rows].any())
         self.program = bool(flags.program[rows].any())
@@ -179,14 +185,48 @@ def install(shapes) -> None:
                 args = args[:sp_index] + (params,) + args[sp_index + 1:]
         return orig_add_request(self, *args, **kwargs)
 
+    def plain_step(self, logits, input_batch, idx, mark, flags, summary, args, kwargs):
+        """A step whose logprob columns are the contract's from vLLM's own compute_token_logprobs call (no program
+        row, no flagged request, raw logprobs mode, no capture): no check, copy or rescoring around vLLM's sampler."""
+        if summary.unit is None:
+            summary.unit = all_unit_temperature(host_temperature(self, idx))
+        job = _Job(logits, mark, summary.unit, lambda: row_temperature(self, input_batch))
+        _job.job = job
+        try:
+            out = orig_call(self, logits, input_batch, *args, **kwargs)
+        finally:
+            _job.job = None
+        if out.logprobs_tensors is None:
+            return out
+        st = mark.state
+        if not job.scored:
+            # logprobs that vLLM did not take from its logprob kernel on these logits: rescored (in raw mode vLLM
+            # never writes the logits it is given, so they are still the head's)
+            out.logprobs_tensors = rescore(out.logprobs_tensors, logits, job.temperature, mark,
+                                           req_ids=list(input_batch.req_ids), unit_temperature=job.unit,
+                                           record=((), ()))
+        if summary.program and summary.recorded != (st, st.programs_epoch):
+            # each request's program is recorded once per programs-RPC epoch
+            new = np.nonzero(flags.program[idx] & (flags.epoch[idx] != st.programs_epoch))[0]
+            req_ids, progs = input_batch.req_ids, self.__dict__.get("_fused_logp_programs", {})
+            st.record_programs([req_ids[r] for r in new], [progs.get(int(idx[r])) for r in new])
+            flags.epoch[idx[new]] = st.programs_epoch
+            summary.recorded = (st, st.programs_epoch)
+        return out
+
     @functools.wraps(orig_call)
     def __call__(self, logits, input_batch, *args, **kwargs):
         mark = mark_of(logits)
         d = self.__dict__
         idx = input_batch.idx_mapping_np
         expanded = logits.shape[0] != len(idx)
-        rows = input_batch.expanded_idx_mapping.cpu().numpy() if expanded else idx
         flags = d.get("_fused_logp_flags")
+        if token_logprobs and mark is not None and flags is not None and not expanded \
+                and not mark.state.settings.capture and raw_mode(self):
+            summary = flags.summary(idx)
+            if summary is not None and not summary.nonneutral and not summary.flagged:
+                return plain_step(self, logits, input_batch, idx, mark, flags, summary, args, kwargs)
+        rows = input_batch.expanded_idx_mapping.cpu().numpy() if expanded else idx
         summary = None if flags is None else flags.summary(rows)
         if summary is None:
             flags = None                                  # a slot never added (vLLM's dummy runs): no shortcuts
