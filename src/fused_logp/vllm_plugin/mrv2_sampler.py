@@ -17,7 +17,7 @@ raw logits (logprobs_mode raw_logprobs), a step without program rows or flagged 
 logprob columns are the contract's from the start, because vLLM's own logprob kernel (compute_token_logprobs) is
 replaced for that call by the contract columns of the same ids (scoring.contract_columns). vLLM never writes the
 raw logits in that mode (it computes its raw logprobs from them after sampling), so they are read without a copy.
-Such a step (`plain_step`, the common decode step) does nothing else around vLLM's sampler: its rows' summary
+Such a step (`plain_step`, the common decode step) does nothing else around vLLM's sampler but the capture: its rows' summary
 (_Summary: flags and whether every row's scoring temperature is 1) is kept from step to step while the batch's rows
 and requests stay the same, and vLLM's answer whether logprobs are returned is read from its output."""
 from __future__ import annotations
@@ -187,7 +187,8 @@ def install(shapes) -> None:
 
     def plain_step(self, logits, input_batch, idx, mark, flags, summary, args, kwargs):
         """A step whose logprob columns are the contract's from vLLM's own compute_token_logprobs call (no program
-        row, no flagged request, raw logprobs mode, no capture): no check, copy or rescoring around vLLM's sampler."""
+        row, no flagged request, raw logprobs mode): no check, copy or rescoring around vLLM's sampler (with capture
+        on, the scored rows are captured after it)."""
         if summary.unit is None:
             summary.unit = all_unit_temperature(host_temperature(self, idx))
         job = _Job(logits, mark, summary.unit, lambda: row_temperature(self, input_batch))
@@ -199,12 +200,12 @@ def install(shapes) -> None:
         if out.logprobs_tensors is None:
             return out
         st = mark.state
-        if not job.scored:
-            # logprobs that vLLM did not take from its logprob kernel on these logits: rescored (in raw mode vLLM
-            # never writes the logits it is given, so they are still the head's)
+        if not job.scored or st.settings.capture:
+            # capture the scored rows; and rescore logprobs that vLLM did not take from its logprob kernel on these
+            # logits (in raw mode vLLM never writes the logits it is given, so they are still the head's)
             out.logprobs_tensors = rescore(out.logprobs_tensors, logits, job.temperature, mark,
                                            req_ids=list(input_batch.req_ids), unit_temperature=job.unit,
-                                           record=((), ()))
+                                           record=((), ()), scored=job.scored)
         if summary.program and summary.recorded != (st, st.programs_epoch):
             # each request's program is recorded once per programs-RPC epoch
             new = np.nonzero(flags.program[idx] & (flags.epoch[idx] != st.programs_epoch))[0]
@@ -221,8 +222,7 @@ def install(shapes) -> None:
         idx = input_batch.idx_mapping_np
         expanded = logits.shape[0] != len(idx)
         flags = d.get("_fused_logp_flags")
-        if token_logprobs and mark is not None and flags is not None and not expanded \
-                and not mark.state.settings.capture and raw_mode(self):
+        if token_logprobs and mark is not None and flags is not None and not expanded and raw_mode(self):
             summary = flags.summary(idx)
             if summary is not None and not summary.nonneutral and not summary.flagged:
                 return plain_step(self, logits, input_batch, idx, mark, flags, summary, args, kwargs)
