@@ -648,7 +648,7 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
     import torch
-    result = {"date": "2026-12-01", "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     try:
         import vllm
         result["vllm"] = vllm.__version__
@@ -693,10 +693,11 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
             limit = 200 if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE") else 150
             _wait({name: p}, min(time.time() + limit, t0 + deadline_s), result, out)
     if rounds:
-        result["speed_pooled"] = _pool_speed(result, rounds)
-        result["speed_ratio_on_over_off"] = {b: x["ratio"] for b, x in result["speed_pooled"].items()}
-        result["speed_ratio_on_over_off_without_gc_pauses"] = {
-            b: x["ratio_without_gc_pauses"] for b, x in result["speed_pooled"].items()}
+        result["speed_pooled"] = pooled = _pool_speed(result, rounds)
+        if "error" not in pooled:
+            result["speed_ratio_on_over_off"] = {b: x["ratio"] for b, x in pooled.items()}
+            result["speed_ratio_on_over_off_without_gc_pauses"] = {
+                b: x["ratio_without_gc_pauses"] for b, x in pooled.items()}
     result["wall_s"] = round(time.time() - t0, 1)
     _write(out, result)
     return result
