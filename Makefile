@@ -192,10 +192,12 @@ vllm-gpu: vllm-gpu-sm90
 	cp $(VLLM_GPU_OUT)/vllm-gpu/vllm-gpu.json $(VLLM_GPU_OUT)/vllm-gpu.json; \
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu.tgz -C $(VLLM_GPU_OUT) vllm-gpu && rm -rf $(VLLM_GPU_OUT)/vllm-gpu; exit $$rc
 
-# Only the speed parts of vllm-gpu (no checks, no trainer-side scoring): SPEED_ROUNDS alternating off/on engines.
+# Only the speed parts of vllm-gpu (no checks, no trainer-side scoring): SPEED_ROUNDS alternating off/on engines
+# (default 1), then plugin on and off alternating inside one engine (speed-ab; SPEED_AB=0 skips it).
 vllm-gpu-speed: vllm-gpu-sm90
-	$(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_SPEED_ONLY=1 FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS=$(or $(SPEED_ROUNDS),2) \
-		$(PYTHON) -P bench/vllm_gpu.py all --out $(VLLM_GPU_OUT)/vllm-gpu-speed; rc=$$?; \
+	$(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_SPEED_ONLY=1 FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS=$(or $(SPEED_ROUNDS),1) \
+		FUSED_LOGP_VLLM_BENCH_SPEED_AB=$(or $(SPEED_AB),1) \
+		$(PYTHON) -P bench/vllm_gpu.py all --deadline 560 --out $(VLLM_GPU_OUT)/vllm-gpu-speed; rc=$$?; \
 	cp $(VLLM_GPU_OUT)/vllm-gpu-speed/vllm-gpu.json $(VLLM_GPU_OUT)/vllm-gpu-speed.json; \
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-speed.tgz -C $(VLLM_GPU_OUT) vllm-gpu-speed && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-speed; exit $$rc
 

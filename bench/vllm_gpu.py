@@ -309,14 +309,20 @@ def _timed_generate(llm, prompts, params, timers=None):
     if timers is not None:
         timers.reset()
         timers.on = True
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
+    _sync()
     wall = time.perf_counter() - t
     if timers is not None:
         timers.on = False
     return outs, wall
+
+
+def _sync():
+    import torch
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
 
 class _GcClock:
@@ -496,6 +502,71 @@ class _StepTimers:
             if self.events[k]:
                 out[k]["device_span_ms_per_step"] = round(dev / steps, 4)
         return out
+
+
+def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
+    """Plugin on and off in one engine, alternating: the engine serves with the plugin (strict, no capture), and a
+    bench-side switch makes the plugin's lm_head hand over to vLLM's own (`_vllm_logits`: vLLM's bf16 GEMM, logits
+    without the plugin's mark, so every sampler wrapper passes vLLM's path through) for the "off" runs. Per batch
+    size, `pairs` pairs of timed generates in alternating order (off-on, on-off, ...), each after gc.collect(): a
+    drift of the machine's speed falls on both. "off" still passes through the plugin's wrappers (each returns at its
+    first check on unmarked logits), so it is at most a few microseconds a step slower than vLLM without the plugin,
+    and the ratio on / off is that much too favourable. The head's op_calls before and after each mode show that the
+    switch works (off: no op call)."""
+    import gc
+
+    import torch
+    from fused_logp.vllm_plugin.head import FusedLogpLogitsProcessor
+
+    bypass = [False]
+    orig = FusedLogpLogitsProcessor._get_logits
+
+    def _get_logits(self, hidden_states, lm_head, embedding_bias=None, skip_gather=False, **kwargs):
+        if bypass[0]:
+            return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
+        return orig(self, hidden_states, lm_head, embedding_bias, skip_gather, **kwargs)
+
+    FusedLogpLogitsProcessor._get_logits = _get_logits
+    t0 = time.time()
+    llm = _engine(model_dir, plugin=True, capture=False, eager=DRY, max_num_seqs=256, share=0.5)
+    res = {"what": "plugin on and off in one engine, alternating (run_speed_ab)", "start_s": round(time.time() - t0, 1),
+           "out_tokens": out_tokens, "pairs": pairs, "batches": {}}
+
+    def op_calls():
+        return llm.collective_rpc("fused_logp_status")[0]["heads"][0]["op_calls"]
+
+    g = torch.Generator().manual_seed(5)
+    for bs in (1, 64, 256):
+        prompts, params = _decode_batch(g, bs, out_tokens)
+        calls = {"off": 0, "on": 0}
+        for mode in ("off", "on"):                                          # warm-up, both modes
+            bypass[0] = mode == "off"
+            llm.generate(prompts, params, use_tqdm=False)
+        times, pauses = {"off": [], "on": []}, {"off": [], "on": []}
+        with _GcClock() as clock:
+            for i in range(pairs):
+                for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                    bypass[0] = mode == "off"
+                    before = op_calls()
+                    outs = None
+                    gc.collect()
+                    clock.reset()
+                    outs, wall = _timed_generate(llm, prompts, params)
+                    times[mode].append(wall)
+                    pauses[mode].append(clock.total())
+                    calls[mode] += op_calls() - before
+                    assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
+        bypass[0] = False
+        med = {m: statistics.median(times[m]) for m in times}
+        net = {m: statistics.median(t - p for t, p in zip(times[m], pauses[m])) for m in times}
+        res["batches"][str(bs)] = {
+            "tok_s_off": round(bs * out_tokens / med["off"], 1), "tok_s_on": round(bs * out_tokens / med["on"], 1),
+            "ratio": round(med["off"] / med["on"], 4), "ratio_without_gc_pauses": round(net["off"] / net["on"], 4),
+            "times_s": {m: [round(x, 4) for x in times[m]] for m in times},
+            "gc_pause_s": {m: [round(x, 4) for x in pauses[m]] for m in pauses},
+            "op_calls": calls}
+    res["non_contract"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["non_contract"]
+    return res
 
 
 def _split_profile(llm, g, plugin: bool, out_tokens: int = 64) -> dict:
@@ -692,6 +763,10 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
             # the first engine of a run also compiles (cold caches); the split profile runs after the speed runs
             limit = 200 if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE") else 150
             _wait({name: p}, min(time.time() + limit, t0 + deadline_s), result, out)
+    if rounds and os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_AB", "0") == "1":
+        p = _child(["speed-ab", "--model-dir", str(model_dir), "--json", str(out / "speed-ab.json")],
+                   out / "speed-ab.log", 0)[0]
+        _wait({"speed-ab": p}, min(time.time() + 200, t0 + deadline_s), result, out)
     if rounds:
         result["speed_pooled"] = pooled = _pool_speed(result, rounds)
         if "error" not in pooled:
@@ -746,7 +821,7 @@ def _write(out: Path, result: dict):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["all", "check", "speed", "score", "model", "small-model", "mpstart"])
+    ap.add_argument("what", choices=["all", "check", "speed", "speed-ab", "score", "model", "small-model", "mpstart"])
     ap.add_argument("--out", default="out/vllm-gpu")
     ap.add_argument("--model-dir", default="/tmp/fused_logp_qwen3_8bhead")
     ap.add_argument("--runner", default="v2")
@@ -778,6 +853,8 @@ def main():
         r = run_mpstart(Path(a.model_dir), a.plugin == "on")
     elif a.what == "speed":
         r = run_speed(Path(a.model_dir), a.plugin == "on")
+    elif a.what == "speed-ab":
+        r = run_speed_ab(Path(a.model_dir))
     else:
         r = run_score()
     text = json.dumps(r, indent=1, default=str)
