@@ -411,7 +411,9 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
     # host only: vLLM's logprobs probe, the runner's wait for the step's output copy (async scheduling), and the
     # functions the plugin's wrapper calls outside vLLM's sampler
     from vllm.v1.worker.gpu.async_utils import AsyncOutput
-    timers.wrap(Sampler, "returns_logprobs", "returns_logprobs", device=False)
+    for probe in ("returns_logprobs", "get_logprobs_dims"):          # vLLM 0.26 / 0.32
+        if hasattr(Sampler, probe):
+            timers.wrap(Sampler, probe, probe, device=False)
     timers.wrap(AsyncOutput, "get_output", "async_get_output", device=False)
     if plugin:
         from fused_logp.vllm_plugin import mrv2_sampler
