@@ -756,7 +756,7 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
     # plain vLLM and the plugin in alternating engines (off, on, off, on, ...: SPEED_ROUNDS rounds), so that a drift
     # of the machine's speed during the run falls on both; each figure pools every timed run of its engine kind
     rounds = 0 if os.environ.get("FUSED_LOGP_VLLM_BENCH_CHECKS_ONLY") else \
-        int(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS", "2"))
+        int(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS", "1"))
     for r in range(rounds):
         for plugin in ("off", "on"):
             name = f"speed-{plugin}" + (f"-r{r}" if r else "")
