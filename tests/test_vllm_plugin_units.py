@@ -312,6 +312,31 @@ def test_mrv2_step_summary_once_per_rows_and_version():
     assert f.summary(np.array([0, 8], dtype=np.int32)) is None
 
 
+def test_mrv2_programs_recorded_once_per_epoch():
+    """The rows' programs go to the programs RPC once per (head, epoch): the first step records the rows with a
+    program, later steps nothing, and after the RPC drains them (epoch bump) they are recorded again."""
+    import numpy as np
+
+    from fused_logp.kernel.transforms import TransformProgram
+    from fused_logp.vllm_plugin.mrv2_sampler import _Flags
+    from fused_logp.vllm_plugin.settings import PluginSettings
+    from fused_logp.vllm_plugin.state import HeadState
+
+    st = HeadState(PluginSettings(strict=True, backend="oracle", capture=False, source="test"))
+    f = _Flags(8)
+    p0 = TransformProgram(temperature=0.7)
+    f.set(0, p0, [])
+    f.set(3, None, [])
+    rows = np.array([3, 0], dtype=np.int32)
+    progs, req_ids = {0: p0, 3: None}, ["r3", "r0"]
+    assert f.to_record(f.summary(rows), rows, req_ids, progs, st) == (["r0"], [p0])
+    assert f.to_record(f.summary(rows), rows, req_ids, progs, st) == ((), ())
+    st.programs_epoch += 1
+    assert f.to_record(f.summary(rows), rows, req_ids, progs, st) == (["r0"], [p0])
+    only_plain = np.array([3], dtype=np.int32)
+    assert f.to_record(f.summary(only_plain), only_plain, ["r3"], progs, st) == ((), ())
+
+
 def test_v1_row_batch_once_per_composition_and_epoch():
     """The V1 runner's RowBatch: the same rows (request ids in row order, with or without programs) reuse it; the
     program groups are computed once per vocabulary size; the rows' programs are recorded for the programs RPC

@@ -110,6 +110,17 @@ class _Flags:
         sm = self._summary = _Summary(key, self.version, self, rows)
         return sm
 
+    def to_record(self, summary, idx, req_ids, progs, st) -> tuple:
+        """The (request ids, programs) of the rows `idx` (whose summary is `summary`) not yet recorded for the
+        programs RPC in this epoch of head state `st`, marked as recorded: each request's program once per epoch,
+        and nothing at all for a batch without any program or already recorded in this epoch."""
+        if not summary.program or summary.recorded == (st, st.programs_epoch):
+            return (), ()
+        new = np.nonzero(self.program[idx] & (self.epoch[idx] != st.programs_epoch))[0]
+        self.epoch[idx[new]] = st.programs_epoch
+        summary.recorded = (st, st.programs_epoch)
+        return [req_ids[r] for r in new], [progs.get(int(idx[r])) for r in new]
+
 
 class _Job:
     """One sampler step whose logprob columns the contract computes in place of vLLM's kernel."""
@@ -206,13 +217,8 @@ def install(shapes) -> None:
             out.logprobs_tensors = rescore(out.logprobs_tensors, logits, job.temperature, mark,
                                            req_ids=list(input_batch.req_ids), unit_temperature=job.unit,
                                            record=((), ()), scored=job.scored)
-        if summary.program and summary.recorded != (st, st.programs_epoch):
-            # each request's program is recorded once per programs-RPC epoch
-            new = np.nonzero(flags.program[idx] & (flags.epoch[idx] != st.programs_epoch))[0]
-            req_ids, progs = input_batch.req_ids, self.__dict__.get("_fused_logp_programs", {})
-            st.record_programs([req_ids[r] for r in new], [progs.get(int(idx[r])) for r in new])
-            flags.epoch[idx[new]] = st.programs_epoch
-            summary.recorded = (st, st.programs_epoch)
+        st.record_programs(*flags.to_record(summary, idx, input_batch.req_ids,
+                                            self.__dict__.get("_fused_logp_programs", {}), st))
         return out
 
     @functools.wraps(orig_call)
@@ -273,15 +279,8 @@ def install(shapes) -> None:
             req_ids = list(input_batch.req_ids)
             record = None
             if flags is not None and programs is None and not expanded:
-                # record each request's program once per programs-RPC epoch (not a dict lookup per row per step);
-                # a batch without any program records nothing
-                record = ((), ())
-                st = mark.state
-                if summary.program and summary.recorded != (st, st.programs_epoch):
-                    new = np.nonzero(flags.program[idx] & (flags.epoch[idx] != st.programs_epoch))[0]
-                    record = ([req_ids[r] for r in new], [progs.get(int(idx[r])) for r in new])
-                    flags.epoch[idx[new]] = st.programs_epoch
-                    summary.recorded = (st, st.programs_epoch)
+                # each request's program once per programs-RPC epoch (not a dict lookup per row per step)
+                record = flags.to_record(summary, idx, req_ids, progs, mark.state)
             unit = job.unit if job is not None else \
                 not expanded and all_unit_temperature(host_temperature(self, idx))
             out.logprobs_tensors = rescore(out.logprobs_tensors, z, lambda: row_temperature(self, input_batch),
