@@ -461,24 +461,19 @@ class _StepTimers:
         def timed(*args, **kwargs):
             if not timers.on:
                 return orig(*args, **kwargs)
-            if not device:
-                t = time.perf_counter()
-                try:
-                    return orig(*args, **kwargs)
-                finally:
-                    timers.host[key] += time.perf_counter() - t
-                    timers.calls[key] += 1
-            s = torch.cuda.Event(enable_timing=True)
-            s.record()
+            if device:
+                s = torch.cuda.Event(enable_timing=True)
+                s.record()
             t = time.perf_counter()
             try:
                 return orig(*args, **kwargs)
             finally:
                 timers.host[key] += time.perf_counter() - t
                 timers.calls[key] += 1
-                e = torch.cuda.Event(enable_timing=True)
-                e.record()
-                timers.events[key].append((s, e))
+                if device:
+                    e = torch.cuda.Event(enable_timing=True)
+                    e.record()
+                    timers.events[key].append((s, e))
         setattr(cls, name, timed)
         if restore:
             self._undo.append((cls, name, orig))
