@@ -193,7 +193,8 @@ vllm-gpu: vllm-gpu-sm90
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu.tgz -C $(VLLM_GPU_OUT) vllm-gpu && rm -rf $(VLLM_GPU_OUT)/vllm-gpu; exit $$rc
 
 # Only the speed parts of vllm-gpu (no checks, no trainer-side scoring): SPEED_ROUNDS alternating off/on engines
-# (default 1), then plugin on and off alternating inside one engine (speed-ab; SPEED_AB=0 skips it).
+# (default 1; odd rounds start with the plugin), then plugin on and off alternating inside one engine (speed-ab;
+# SPEED_AB=N runs N such engines one after another, default 1, 0 skips it).
 vllm-gpu-speed: vllm-gpu-sm90
 	$(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_SPEED_ONLY=1 FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS=$(or $(SPEED_ROUNDS),1) \
 		FUSED_LOGP_VLLM_BENCH_SPEED_AB=$(or $(SPEED_AB),1) \

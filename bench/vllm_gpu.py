@@ -748,22 +748,24 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
                                   "--json", str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     _wait(procs, t0 + deadline_s * 0.6, result, out)
-    # plain vLLM and the plugin in alternating engines (off, on, off, on, ...: SPEED_ROUNDS rounds), so that a drift
+    # plain vLLM and the plugin in alternating engines (off, on, on, off, off, on, ...: SPEED_ROUNDS rounds), so that a drift
     # of the machine's speed during the run falls on both; each figure pools every timed run of its engine kind
     rounds = 0 if os.environ.get("FUSED_LOGP_VLLM_BENCH_CHECKS_ONLY") else \
         int(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS", "1"))
     for r in range(rounds):
-        for plugin in ("off", "on"):
+        for plugin in (("off", "on") if r % 2 == 0 else ("on", "off")):     # odd rounds start with the plugin
             name = f"speed-{plugin}" + (f"-r{r}" if r else "")
             p = _child(["speed", "--plugin", plugin, "--model-dir", str(model_dir), "--json",
                         str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
             # the first engine of a run also compiles (cold caches); the split profile runs after the speed runs
             limit = 200 if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE") else 150
             _wait({name: p}, min(time.time() + limit, t0 + deadline_s), result, out)
-    if rounds and os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_AB", "0") == "1":
-        p = _child(["speed-ab", "--model-dir", str(model_dir), "--json", str(out / "speed-ab.json")],
-                   out / "speed-ab.log", 0)[0]
-        _wait({"speed-ab": p}, min(time.time() + 200, t0 + deadline_s), result, out)
+    # FUSED_LOGP_VLLM_BENCH_SPEED_AB: how many one-engine A/B parts (speed-ab, speed-ab-2, ...), each its own process
+    for i in range(int(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_AB", "0")) if rounds else 0):
+        name = "speed-ab" + (f"-{i + 1}" if i else "")
+        p = _child(["speed-ab", "--model-dir", str(model_dir), "--json", str(out / f"{name}.json")],
+                   out / f"{name}.log", 0)[0]
+        _wait({name: p}, min(time.time() + 200, t0 + deadline_s), result, out)
     if rounds:
         result["speed_pooled"] = pooled = _pool_speed(result, rounds)
         if "error" not in pooled:
