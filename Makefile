@@ -159,6 +159,7 @@ clean:
 # `make vllm-gpu-profile`: decode tok/s plugin off/on with the per-step split (host/device time of the head and
 # the sampler, cProfile, torch.profiler, synchronising calls); `make vllm-gpu-mp`: vLLM's default multiprocess
 # engine started with the plugin off and on, stacks of every process dumped before a time limit.
+comma := ,
 VLLM_GPU_TAR := build/vllm-gpu/src/src.tar
 VLLM_GPU_LIB = $(if $(wildcard $(VLLM_GPU_TAR)),/tmp/fused_logp_src/src,$(CURDIR)/src)
 VLLM_GPU_ENV = PYTHONPATH=/tmp/vsite:$(VLLM_GPU_LIB):$(CURDIR)/tests PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
@@ -194,10 +195,11 @@ vllm-gpu: vllm-gpu-sm90
 
 # Only the speed parts of vllm-gpu (no checks, no trainer-side scoring): SPEED_ROUNDS alternating off/on engines
 # (default 1; odd rounds start with the plugin), then plugin on and off alternating inside one engine (speed-ab;
-# SPEED_AB=N runs N such engines one after another, default 1, 0 skips it).
+# SPEED_AB=N runs N such engines one after another, default 1, 0 skips it). SPEED_KINDS="off,registered,bypass,on"
+# adds the engine kinds between plain vLLM and the plugin (bench/vllm_gpu.py SPEED_KINDS).
 vllm-gpu-speed: vllm-gpu-sm90
 	$(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_SPEED_ONLY=1 FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS=$(or $(SPEED_ROUNDS),1) \
-		FUSED_LOGP_VLLM_BENCH_SPEED_AB=$(or $(SPEED_AB),1) \
+		FUSED_LOGP_VLLM_BENCH_SPEED_AB=$(or $(SPEED_AB),1) FUSED_LOGP_VLLM_BENCH_SPEED_KINDS=$(or $(SPEED_KINDS),off$(comma)on) \
 		$(PYTHON) -P bench/vllm_gpu.py all --deadline 560 --out $(VLLM_GPU_OUT)/vllm-gpu-speed; rc=$$?; \
 	cp $(VLLM_GPU_OUT)/vllm-gpu-speed/vllm-gpu.json $(VLLM_GPU_OUT)/vllm-gpu-speed.json; \
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-speed.tgz -C $(VLLM_GPU_OUT) vllm-gpu-speed && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-speed; exit $$rc

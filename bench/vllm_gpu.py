@@ -10,11 +10,14 @@ Parts (each an in-process engine in its own subprocess; the plugin registered by
          compared bit for bit with the trainer op (linear_logp / the transform program on linear_logp's logits,
          SM90 backend) on the captured hidden rows; 64 concurrent requests, then each of them alone; the status
          fingerprint against weight_fingerprint of the checkpoint's lm_head; reload_weights with a new lm_head moves it.
-  speed  --plugin on|off : decode tok/s at 1, 64 and 256 concurrent sequences (Model Runner V2, CUDA graphs), the
-         plugin strict without capture against plain vLLM (plugin not registered), same machine, medians of 5
-         runs, each after gc.collect() (a full collection of the engine's heap costs ~0.1 s, as long as a whole
-         decode at batch 1: without it a run's time depends on where the collector fires), also without the
-         collector's pauses inside the runs; and the lm_head and sampler host time and device span per step.
+  speed  --plugin on|off|registered|bypass : decode tok/s at 1, 64 and 256 concurrent sequences (Model Runner V2,
+         CUDA graphs) of one engine kind (SPEED_KINDS: the plugin strict without capture, plain vLLM with the plugin
+         not registered, registered but not enabled, enabled with its head bypassed), medians of 9 runs, each
+         after gc.collect() (a full collection of the engine's heap costs ~0.1 s, as long as a whole decode at
+         batch 1: without it a run's time depends on where the collector fires), also without the collector's
+         pauses inside the runs; the host's counters during the runs (steal time, per-thread CPU, involuntary
+         switches); and the lm_head and sampler host time and device span per step.
+  speed-ab : the plugin on and off alternating inside one engine (run_speed_ab).
   score  : the trainer-side scoring time, linear_logp (SM90) against F.linear + log_softmax + gather.
 """
 from __future__ import annotations
@@ -357,20 +360,97 @@ class _GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
-def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
+class _HostCounters:
+    """What the host did during the timed runs (start() ... stop() around each; Linux /proc, zeros elsewhere): the
+    machine's steal time (ticks of 1/100 s summed over vCPUs: time the hypervisor gave a vCPU to someone else) and
+    busy time, this process's CPU ticks per thread (the main thread, and the busiest others by name), and its
+    threads' involuntary context switches (preempted while runnable). A spinning thread, a busy neighbour or a slow
+    vCPU shows here."""
+
+    def __init__(self):
+        import collections
+        self.main = str(os.getpid())
+        self.sums = collections.Counter()
+        self.others = collections.Counter()
+        self._t0 = None
+
+    @staticmethod
+    def _read():
+        out = {"steal": 0, "busy": 0, "threads": {}, "nonvol": 0}
+        try:
+            v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+            out["busy"] = v[0] + v[1] + v[2] + v[5] + v[6]
+            out["steal"] = v[7] if len(v) > 7 else 0
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    st = open(f"/proc/self/task/{tid}/stat").read()
+                    status = open(f"/proc/self/task/{tid}/status").read()
+                except OSError:
+                    continue
+                fields = st[st.rindex(")") + 2:].split()
+                out["threads"][tid] = (st[st.index("(") + 1: st.rindex(")")], int(fields[11]) + int(fields[12]))
+                for line in status.splitlines():
+                    if line.startswith("nonvoluntary_ctxt_switches"):
+                        out["nonvol"] += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+        return out
+
+    def start(self):
+        self._t0 = self._read()
+
+    def stop(self):
+        t1, t0 = self._read(), self._t0
+        self.sums["steal_ticks"] += t1["steal"] - t0["steal"]
+        self.sums["machine_busy_ticks"] += t1["busy"] - t0["busy"]
+        self.sums["nonvoluntary_switches"] += t1["nonvol"] - t0["nonvol"]
+        for k, (name, ticks) in t1["threads"].items():
+            d = ticks - t0["threads"].get(k, ("", 0))[1]
+            if k == self.main:
+                self.sums["main_thread_ticks"] += d
+            elif d > 0:
+                self.others[f"{name}:{k}"] += d
+        self.sums["threads"] = len(t1["threads"])
+
+    def report(self) -> dict:
+        return dict(self.sums, other_threads_ticks=sum(self.others.values()),
+                    busiest_other_threads=dict(self.others.most_common(5)))
+
+
+# Engine kinds of the speed part. off: plain vLLM, plugin not loaded. on: the plugin enabled (strict, no capture).
+# registered: register() called (LogitsProcessor replaced, admission, RPCs, metric) but not enabled in the
+# engine's configuration. bypass: enabled, with the plugin's head handing every call to vLLM's own (as speed-ab's
+# "off" runs, for the whole engine): the sampler wrappers installed, no op call.
+SPEED_KINDS = ("off", "on", "registered", "bypass")
+
+
+def run_speed(model_dir, kind: str = "on", out_tokens: int = 64) -> dict:
     import gc
 
     import torch
 
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
+    if kind not in SPEED_KINDS:
+        raise ValueError(f"speed: kind must be one of {SPEED_KINDS}; got {kind!r}")
+    plugin = kind in ("on", "bypass")
     # vLLM's own Sampler.__call__, timed inside the plugin's wrapper (wrapped before the engine installs the plugin;
     # the part's process ends with it, so it is never put back): sampler - sampler_inner is the wrapper's own time
     timers = _StepTimers()
     timers.wrap(Sampler, "__call__", "sampler_inner", restore=False)
+    if kind == "registered":
+        from fused_logp.vllm_plugin import register
+        register()
+    if kind == "bypass":
+        from fused_logp.vllm_plugin.head import FusedLogpLogitsProcessor
+
+        def _get_logits(self, hidden_states, lm_head, embedding_bias=None, skip_gather=False, **kwargs):
+            return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
+        FusedLogpLogitsProcessor._get_logits = _get_logits
     t0 = time.time()
     llm = _engine(model_dir, plugin=plugin, capture=False, eager=False, max_num_seqs=256, share=0.5)
-    res = {"plugin": plugin, "start_s": round(time.time() - t0, 1), "out_tokens": out_tokens, "batches": {}}
+    res = {"plugin": kind == "on", "kind": kind, "start_s": round(time.time() - t0, 1), "out_tokens": out_tokens,
+           "batches": {}}
     if plugin:
         res["status"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["provenance"]
     g = torch.Generator().manual_seed(3)
@@ -381,12 +461,15 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
         prompts, params = _decode_batch(g, bs, out_tokens)
         llm.generate(prompts, params, use_tqdm=False)                   # warm-up
         times, pauses = [], []
+        host = _HostCounters()
         with _GcClock() as clock:          # time in Python's garbage collector during each timed run
             for _ in range(9):
                 outs = None
                 gc.collect()        # every timed run starts from a collected heap (a full collection costs ~0.1 s)
                 clock.reset()
+                host.start()
                 outs, wall = _timed_generate(llm, prompts, params)
+                host.stop()
                 times.append(wall)
                 pauses.append(clock.total())
                 assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
@@ -394,7 +477,8 @@ def run_speed(model_dir, plugin: bool, out_tokens: int = 64) -> dict:
         net = statistics.median(t - p for t, p in zip(times, pauses))
         res["batches"][str(bs)] = {"tok_s": round(bs * out_tokens / med, 1), "times_s": [round(x, 4) for x in times],
                                    "gc_pause_s": [round(x, 4) for x in pauses],
-                                   "tok_s_without_gc_pauses": round(bs * out_tokens / net, 1)}
+                                   "tok_s_without_gc_pauses": round(bs * out_tokens / net, 1),
+                                   "host": dict(host.report(), wall_ticks=round(100 * sum(times)))}
     # host time and device span per decode step of the lm_head, the sampler and its parts (one more generate per
     # batch size): sampler (with the plugin's wrapper), sampler_inner (vLLM's own), sample (vLLM's Sampler.sample),
     # topk_scores (vLLM's compute_topk_scores), token_logprobs (the logprob kernel it calls: the plugin's contract
@@ -456,6 +540,7 @@ class _StepTimers:
         import torch
         orig = cls.__dict__.get(name, getattr(cls, name))
         timers = self
+        device = device and DEV == "cuda"              # the dry run on the CPU times the host only
 
         @functools.wraps(orig)
         def timed(*args, **kwargs):
@@ -490,8 +575,7 @@ class _StepTimers:
         self.events.clear()
 
     def report(self, steps: int) -> dict:
-        import torch
-        torch.cuda.synchronize()
+        _sync()
         out = {}
         for k in self.calls:
             dev = sum(s.elapsed_time(e) for s, e in self.events[k])
@@ -501,15 +585,35 @@ class _StepTimers:
         return out
 
 
+def _step_hooks() -> list:
+    """(owner, attribute) of vLLM's per-step functions that the plugin wraps (those present in this vLLM)."""
+    out = []
+    try:
+        from vllm.v1.worker.gpu.sample import logprob, prompt_logprob
+        from vllm.v1.worker.gpu.sample.sampler import Sampler
+    except ImportError:
+        return out
+    out += [(Sampler, "__call__"), (logprob, "compute_token_logprobs")]
+    if hasattr(prompt_logprob, "PromptLogprobsWorker"):
+        out += [(prompt_logprob.PromptLogprobsWorker, "compute_prompt_logprobs"),
+                (prompt_logprob, "compute_topk_scores")]
+    return [(o, n) for o, n in out if _attr(o, n) is not None]
+
+
+def _attr(owner, name):
+    return owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+
+
 def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
-    """Plugin on and off in one engine, alternating: the engine serves with the plugin (strict, no capture), and a
-    bench-side switch makes the plugin's lm_head hand over to vLLM's own (`_vllm_logits`: vLLM's bf16 GEMM, logits
-    without the plugin's mark, so every sampler wrapper passes vLLM's path through) for the "off" runs. Per batch
-    size, `pairs` pairs of timed generates in alternating order (off-on, on-off, ...), each after gc.collect(): a
-    drift of the machine's speed falls on both. "off" still passes through the plugin's wrappers (each returns at its
-    first check on unmarked logits), so it is at most a few microseconds a step slower than vLLM without the plugin,
-    and the ratio on / off is that much too favourable. The head's op_calls before and after each mode show that the
-    switch works (off: no op call)."""
+    """Plugin on and off in one engine, alternating: the engine serves with the plugin (strict, no capture), and for
+    the "off" runs a bench-side switch makes the plugin's lm_head hand over to vLLM's own (`_vllm_logits`: vLLM's
+    bf16 GEMM, logits without the plugin's mark) and puts vLLM's own per-step functions back where the plugin
+    wrapped them (MRV2 Sampler.__call__, compute_token_logprobs, the prompt-logprobs worker's step and
+    compute_topk_scores; `_step_hooks`), so an "off" step runs vLLM's code and one extra Python call in the head.
+    What stays the plugin's in both modes is per request, not per step: the admission check and the sampler's and
+    prompt-logprobs worker's add_request, which record each request's flags. Per batch size, `pairs` pairs of timed
+    generates in alternating order (off-on, on-off, ...), each after gc.collect(): a drift of the machine's speed
+    falls on both. The head's op_calls before and after each mode show that the switch works (off: no op call)."""
     import gc
 
     import torch
@@ -524,10 +628,20 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
         return orig(self, hidden_states, lm_head, embedding_bias, skip_gather, **kwargs)
 
     FusedLogpLogitsProcessor._get_logits = _get_logits
+    hooks = _step_hooks()
+    vllm_own = {k: _attr(*k) for k in hooks}
     t0 = time.time()
     llm = _engine(model_dir, plugin=True, capture=False, eager=DRY, max_num_seqs=256, share=0.5)
     res = {"what": "plugin on and off in one engine, alternating (run_speed_ab)", "start_s": round(time.time() - t0, 1),
            "out_tokens": out_tokens, "pairs": pairs, "batches": {}}
+    plugin_own = {k: _attr(*k) for k in hooks}
+    res["step_hooks_switched"] = [f"{getattr(o, '__name__', o)}.{n}" for (o, n) in hooks
+                                  if plugin_own[(o, n)] is not vllm_own[(o, n)]]
+
+    def set_mode(mode):
+        bypass[0] = mode == "off"
+        for (o, n), fn in (vllm_own if mode == "off" else plugin_own).items():
+            setattr(o, n, fn)
 
     def op_calls():
         return llm.collective_rpc("fused_logp_status")[0]["heads"][0]["op_calls"]
@@ -537,13 +651,13 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
         prompts, params = _decode_batch(g, bs, out_tokens)
         calls = {"off": 0, "on": 0}
         for mode in ("off", "on"):                                          # warm-up, both modes
-            bypass[0] = mode == "off"
+            set_mode(mode)
             llm.generate(prompts, params, use_tqdm=False)
         times, pauses = {"off": [], "on": []}, {"off": [], "on": []}
         with _GcClock() as clock:
             for i in range(pairs):
                 for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                    bypass[0] = mode == "off"
+                    set_mode(mode)
                     before = op_calls()
                     outs = None
                     gc.collect()
@@ -553,7 +667,7 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
                     pauses[mode].append(clock.total())
                     calls[mode] += op_calls() - before
                     assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
-        bypass[0] = False
+        set_mode("on")
         med = {m: statistics.median(times[m]) for m in times}
         net = {m: statistics.median(t - p for t, p in zip(times[m], pauses[m])) for m in times}
         res["batches"][str(bs)] = {
@@ -752,8 +866,10 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
     # of the machine's speed during the run falls on both; each figure pools every timed run of its engine kind
     rounds = 0 if os.environ.get("FUSED_LOGP_VLLM_BENCH_CHECKS_ONLY") else \
         int(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS", "1"))
+    # FUSED_LOGP_VLLM_BENCH_SPEED_KINDS: the engine kinds of a round (SPEED_KINDS; default "off,on")
+    kinds = [k for k in os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_KINDS", "off,on").split(",") if k]
     for r in range(rounds):
-        for plugin in (("off", "on") if r % 2 == 0 else ("on", "off")):     # odd rounds start with the plugin
+        for plugin in (kinds if r % 2 == 0 else kinds[::-1]):              # odd rounds in the reverse order
             name = f"speed-{plugin}" + (f"-r{r}" if r else "")
             p = _child(["speed", "--plugin", plugin, "--model-dir", str(model_dir), "--json",
                         str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
@@ -825,7 +941,7 @@ def main():
     ap.add_argument("--model-dir", default="/tmp/fused_logp_qwen3_8bhead")
     ap.add_argument("--runner", default="v2")
     ap.add_argument("--mode", default="default")
-    ap.add_argument("--plugin", default="on")
+    ap.add_argument("--plugin", default="on", help="check/mpstart: on or off; speed: an engine kind (SPEED_KINDS)")
     ap.add_argument("--json")
     ap.add_argument("--deadline", type=float, default=480.0)
     a = ap.parse_args()
@@ -851,7 +967,7 @@ def main():
     elif a.what == "mpstart":
         r = run_mpstart(Path(a.model_dir), a.plugin == "on")
     elif a.what == "speed":
-        r = run_speed(Path(a.model_dir), a.plugin == "on")
+        r = run_speed(Path(a.model_dir), a.plugin)
     elif a.what == "speed-ab":
         r = run_speed_ab(Path(a.model_dir))
     else:
