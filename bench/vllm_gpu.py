@@ -162,11 +162,6 @@ def _compare(outs, captured, weight, programs) -> dict:
     """Every recorded value of each output against the trainer op on its captured rows (matched by request id)."""
     import torch
 
-    from fused_logp import linear_logp
-    from fused_logp.kernel.transforms import program_logp_from_logits
-    from fused_logp.shared_contract.sampling import scoring_temperature
-    from fused_logp.vllm_plugin.status_rpc import same_request
-
     with torch.inference_mode():        # the op's per-device state may have been made under vLLM's inference mode
         return _compare_rows(outs, captured, weight, programs)
 
@@ -307,8 +302,6 @@ def _decode_batch(g, bs: int, out_tokens: int, prompt_len: int = 16):
 
 def _timed_generate(llm, prompts, params, timers=None):
     """-> (outputs, wall seconds) of one generate between two device synchronisations, with `timers` on."""
-    import torch
-
     if timers is not None:
         timers.reset()
         timers.on = True
