@@ -876,6 +876,7 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
                    out / f"{name}.log", 0)[0]
         _wait({name: p}, min(time.time() + 200, t0 + deadline_s), result, out)
     if rounds:
+        result["speed_kinds"] = _pool_kinds(result, rounds, kinds)
         result["speed_pooled"] = pooled = _pool_speed(result, rounds)
         if "error" not in pooled:
             result["speed_ratio_on_over_off"] = {b: x["ratio"] for b, x in pooled.items()}
@@ -907,6 +908,37 @@ def _pool_speed(result, rounds: int) -> dict:
                                          for off, on in zip(runs["off"], runs["on"])],
                      "runs_per_engine_kind": sum(len(x[b]["times_s"]) for x in runs["on"])}
     return pooled
+
+
+def _pool_kinds(result, rounds: int, kinds) -> dict:
+    """Per engine kind and batch size: tok/s from the median of all its timed runs over the rounds, the ratio to
+    plain vLLM ("off") where it ran, and the host's counters summed over its engines (main-thread CPU ticks per
+    wall tick of the timed runs, steal ticks, involuntary switches, the other threads' ticks)."""
+    out = {}
+    for k in kinds:
+        runs = [result.get(f"speed-{k}" + (f"-r{r}" if r else ""), {}).get("batches") for r in range(rounds)]
+        if not all(runs):
+            out[k] = {"error": "a part of this kind has no batches: see its log"}
+            continue
+        out[k] = {}
+        for b in runs[0]:
+            med = statistics.median(t for x in runs for t in x[b]["times_s"])
+            hosts = [x[b].get("host", {}) for x in runs]
+            wall = sum(h.get("wall_ticks", 0) for h in hosts)
+            out[k][b] = {"tok_s": round(int(b) * result.get(f"speed-{k}", {}).get("out_tokens", 64) / med, 1),
+                         "median_s": round(med, 4),
+                         "main_thread_busy": round(sum(h.get("main_thread_ticks", 0) for h in hosts) / wall, 3)
+                         if wall else None,
+                         "steal_ticks": sum(h.get("steal_ticks", 0) for h in hosts),
+                         "nonvoluntary_switches": sum(h.get("nonvoluntary_switches", 0) for h in hosts),
+                         "other_threads_ticks": sum(h.get("other_threads_ticks", 0) for h in hosts)}
+    if "off" in out and "error" not in out["off"]:
+        for k in out:
+            if "error" in out[k]:
+                continue
+            for b in out[k]:
+                out[k][b]["ratio_to_off"] = round(out["off"][b]["median_s"] / out[k][b]["median_s"], 4)
+    return out
 
 
 def _wait(procs, until, result, out):
