@@ -823,7 +823,8 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
     import torch
-    result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (dry run)"}
     try:
         import vllm
         result["vllm"] = vllm.__version__
@@ -853,7 +854,8 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = env_runner
             procs[name] = _child(["check", "--runner", runner, "--mode", mode, "--model-dir", str(model_dir),
                                   "--json", str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    if not DRY:                                          # vLLM's V2 runner needs Triton: GPU only
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     _wait(procs, t0 + deadline_s * 0.6, result, out)
     # plain vLLM and the plugin in alternating engines (off, on, on, off, off, on, ...: SPEED_ROUNDS rounds), so that a drift
     # of the machine's speed during the run falls on both; each figure pools every timed run of its engine kind
@@ -868,13 +870,14 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
                         str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
             # the first engine of a run also compiles (cold caches); the split profile runs after the speed runs
             limit = 200 if os.environ.get("FUSED_LOGP_VLLM_BENCH_PROFILE") else 150
+            limit = 900 if DRY else limit                   # the CPU's engines are slower
             _wait({name: p}, min(time.time() + limit, t0 + deadline_s), result, out)
     # FUSED_LOGP_VLLM_BENCH_SPEED_AB: how many one-engine A/B parts (speed-ab, speed-ab-2, ...), each its own process
     for i in range(int(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_AB", "0")) if rounds else 0):
         name = "speed-ab" + (f"-{i + 1}" if i else "")
         p = _child(["speed-ab", "--model-dir", str(model_dir), "--json", str(out / f"{name}.json")],
                    out / f"{name}.log", 0)[0]
-        _wait({name: p}, min(time.time() + 200, t0 + deadline_s), result, out)
+        _wait({name: p}, min(time.time() + (900 if DRY else 200), t0 + deadline_s), result, out)
     if rounds:
         result["speed_kinds"] = _pool_kinds(result, rounds, kinds)
         result["speed_pooled"] = pooled = _pool_speed(result, rounds)
