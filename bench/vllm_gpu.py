@@ -417,6 +417,28 @@ class _HostCounters:
 SPEED_KINDS = ("off", "on", "registered", "bypass")
 
 
+def _switchable_head() -> list:
+    """Route the plugin's lm_head through a switch: while flag[0] is True, every call hands over to vLLM's own head
+    (`_vllm_logits`: vLLM's bf16 GEMM, logits without the plugin's mark). -> the flag (a one-element list)."""
+    from fused_logp.vllm_plugin.head import FusedLogpLogitsProcessor
+
+    flag = [False]
+    orig = FusedLogpLogitsProcessor._get_logits
+
+    def _get_logits(self, hidden_states, lm_head, embedding_bias=None, skip_gather=False, **kwargs):
+        if flag[0]:
+            return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
+        return orig(self, hidden_states, lm_head, embedding_bias, skip_gather, **kwargs)
+
+    FusedLogpLogitsProcessor._get_logits = _get_logits
+    return flag
+
+
+def _speed_part(kind: str, r: int) -> str:
+    """The result key (and file stem) of round r's speed part of an engine kind."""
+    return f"speed-{kind}" + (f"-r{r}" if r else "")
+
+
 def run_speed(model_dir, kind: str = "on", out_tokens: int = 64) -> dict:
     import gc
 
@@ -435,11 +457,7 @@ def run_speed(model_dir, kind: str = "on", out_tokens: int = 64) -> dict:
         from fused_logp.vllm_plugin import register
         register()
     if kind == "bypass":
-        from fused_logp.vllm_plugin.head import FusedLogpLogitsProcessor
-
-        def _get_logits(self, hidden_states, lm_head, embedding_bias=None, skip_gather=False, **kwargs):
-            return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
-        FusedLogpLogitsProcessor._get_logits = _get_logits
+        _switchable_head()[0] = True
     t0 = time.time()
     llm = _engine(model_dir, plugin=plugin, capture=False, eager=False, max_num_seqs=256, share=0.5)
     res = {"plugin": kind == "on", "kind": kind, "start_s": round(time.time() - t0, 1), "out_tokens": out_tokens,
@@ -610,17 +628,8 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
     import gc
 
     import torch
-    from fused_logp.vllm_plugin.head import FusedLogpLogitsProcessor
 
-    bypass = [False]
-    orig = FusedLogpLogitsProcessor._get_logits
-
-    def _get_logits(self, hidden_states, lm_head, embedding_bias=None, skip_gather=False, **kwargs):
-        if bypass[0]:
-            return self._vllm_logits(hidden_states, lm_head, embedding_bias, skip_gather, kwargs)
-        return orig(self, hidden_states, lm_head, embedding_bias, skip_gather, **kwargs)
-
-    FusedLogpLogitsProcessor._get_logits = _get_logits
+    bypass = _switchable_head()
     hooks = _step_hooks()
     vllm_own = {k: _attr(*k) for k in hooks}
     t0 = time.time()
@@ -865,7 +874,7 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
     kinds = [k for k in os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_KINDS", "off,on").split(",") if k]
     for r in range(rounds):
         for plugin in (kinds if r % 2 == 0 else kinds[::-1]):              # odd rounds in the reverse order
-            name = f"speed-{plugin}" + (f"-r{r}" if r else "")
+            name = _speed_part(plugin, r)
             p = _child(["speed", "--plugin", plugin, "--model-dir", str(model_dir), "--json",
                         str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
             # the first engine of a run also compiles (cold caches); the split profile runs after the speed runs
@@ -894,7 +903,7 @@ def _pool_speed(result, rounds: int) -> dict:
     """Per batch size: tok/s of each engine kind from the median of all its timed runs over the rounds, the ratio
     on / off, the same without the garbage collector's pauses, and the per-round ratios."""
     pooled = {}
-    names = {k: [f"speed-{k}" + (f"-r{r}" if r else "") for r in range(rounds)] for k in ("off", "on")}
+    names = {k: [_speed_part(k, r) for r in range(rounds)] for k in ("off", "on")}
     runs = {k: [result.get(n, {}).get("batches") for n in names[k]] for k in names}
     if not all(runs["off"]) or not all(runs["on"]):
         return {"error": "a speed part has no batches: see its log"}
@@ -919,7 +928,7 @@ def _pool_kinds(result, rounds: int, kinds) -> dict:
     wall tick of the timed runs, steal ticks, involuntary switches, the other threads' ticks)."""
     out = {}
     for k in kinds:
-        runs = [result.get(f"speed-{k}" + (f"-r{r}" if r else ""), {}).get("batches") for r in range(rounds)]
+        runs = [result.get(_speed_part(k, r), {}).get("batches") for r in range(rounds)]
         if not all(runs):
             out[k] = {"error": "a part of this kind has no batches: see its log"}
             continue
@@ -928,7 +937,7 @@ def _pool_kinds(result, rounds: int, kinds) -> dict:
             med = statistics.median(t for x in runs for t in x[b]["times_s"])
             hosts = [x[b].get("host", {}) for x in runs]
             wall = sum(h.get("wall_ticks", 0) for h in hosts)
-            out[k][b] = {"tok_s": round(int(b) * result.get(f"speed-{k}", {}).get("out_tokens", 64) / med, 1),
+            out[k][b] = {"tok_s": round(int(b) * result.get(_speed_part(k, 0), {}).get("out_tokens", 64) / med, 1),
                          "median_s": round(med, 4),
                          "main_thread_busy": round(sum(h.get("main_thread_ticks", 0) for h in hosts) / wall, 3)
                          if wall else None,
