@@ -351,6 +351,20 @@ def test_unknown_launch_is_refused(be, cgen):
         be.launch = "auto"
 
 
+def test_launch_names_are_the_extensions(be, cgen):
+    """The launch configurations are names on both sides: the extension's list is sm90.LAUNCHES (and this test's
+    VARIANTS), and the extension itself refuses a name it does not know, naming the accepted ones."""
+    from fused_logp.kernel import sm90
+    ext = be._module()
+    assert list(ext.launch_names()) == list(sm90.LAUNCHES) == list(VARIANTS)
+    h, w, t, _ = make_inputs(cgen, 3, 64, 128)
+    nt = 2
+    out = [torch.empty(3, nt, device="cuda"), torch.empty(3, nt, device="cuda"), torch.empty(3, device="cuda")]
+    with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-64x256, cta-64x128; got 'cta-96x256'"):
+        ext.fused_stats(h, w, targets_for(cgen, 3, 128), t, None, 0, 128, out[0], out[1], out[2], None,
+                        "cta-96x256", False)
+
+
 @pytest.mark.parametrize("n,d,v,pad", [(1, 4096, 151936, 64), (7, 256, 4000 + 33, 30), (300, 512, 9000, 0)])
 def test_serving_head_and_merge_of_ids(be, cgen, n, d, v, pad):
     """The serving entries: logits_and_stats (one launch) gives the bytes of shard_tile_stats at T = 1 with targets

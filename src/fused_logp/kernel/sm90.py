@@ -22,10 +22,10 @@ _SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
-# Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by name, with
-# the id the extension takes (kernel/csrc/sm90_forward.cu). "auto" is one of them, chosen by row count.
-LAUNCHES = {"cta-128x256": 1, "cta-64x256": 2, "cta-64x128": 3}
-MAINLOOP_ONLY = 16   # added to a launch id: the timing hook (mainloop without statistics; benchmarks only)
+# Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by the name the
+# extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
+# of them, chosen by row count.
+LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128")
 
 
 def auto_launch(n_rows: int) -> str:
@@ -127,11 +127,11 @@ class SM90Backend:
             raise RuntimeError(f"sm90 backend unavailable: {why}")
         return _ext
 
-    def _launch_id(self, n_rows: int) -> int:
+    def _launch_name(self, n_rows: int) -> str:
         name = auto_launch(n_rows) if self.launch == "auto" else self.launch
         if name not in LAUNCHES:
-            raise ValueError(f"launch must be 'auto' or one of {sorted(LAUNCHES)}, got {self.launch!r}")
-        return LAUNCHES[name] + (MAINLOOP_ONLY if self.mainloop_only else 0)
+            raise ValueError(f"launch must be 'auto' or one of {list(LAUNCHES)}, got {self.launch!r}")
+        return name
 
     # -- entries ----------------------------------------------------------------------------------------------
     def _stats(self, hidden, weight, targets, temperature, bias, vocab_start, n_real, return_logits,
@@ -143,7 +143,7 @@ class SM90Backend:
         tile_sum = self._empty(n, nt, device=hidden.device)
         logits = self._empty(n, n_real, device=hidden.device) if return_logits else None
         ext.fused_stats(hidden, weight, targets.contiguous(), temperature.contiguous(), bias, vocab_start, n_real, tile_max, tile_sum,
-                        target_logit, logits, self._launch_id(n))
+                        target_logit, logits, self._launch_name(n), self.mainloop_only)
         return tile_max, tile_sum, logits
 
     def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):
@@ -180,7 +180,7 @@ class SM90Backend:
         outputs allocated by the extension (no Python per output). zeros [N] int64 are the target ids (their slots go
         to a scratch row, which is returned), ones [N] FP32 the temperatures."""
         tile_max, tile_sum, logits, scratch = self._module().logits_and_stats(
-            hidden, weight, zeros, ones, bias, vocab_size, self._launch_id(hidden.shape[0]), self.poison)
+            hidden, weight, zeros, ones, bias, vocab_size, self._launch_name(hidden.shape[0]), self.poison)
         return tile_max, tile_sum, logits, scratch
 
     def merge_ids(self, tile_max, tile_sum, logits, ids, *, vocab_size, bad_rows, mirror):

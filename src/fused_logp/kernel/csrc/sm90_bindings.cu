@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace sm90 {
@@ -9,14 +10,15 @@ namespace sm90 {
 void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targets, torch::Tensor temperature,
                  c10::optional<torch::Tensor> bias, int64_t vocab_start, int64_t n_real, torch::Tensor tile_max,
                  torch::Tensor tile_sum, torch::Tensor target_logit, c10::optional<torch::Tensor> logits,
-                 int64_t launch);
+                 const std::string& launch, bool mainloop_only);
+std::vector<std::string> launch_names();
 void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor target_logit, torch::Tensor logp,
                  torch::Tensor lse);
 void logits_stats(torch::Tensor logits, torch::Tensor targets, torch::Tensor temperature, int64_t vocab_size,
                   torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor target_logit);
 std::vector<torch::Tensor> logits_and_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor zeros,
                                             torch::Tensor ones, c10::optional<torch::Tensor> bias, int64_t n_real,
-                                            int64_t launch, c10::optional<int64_t> poison);
+                                            const std::string& launch, c10::optional<int64_t> poison);
 std::vector<torch::Tensor> merge_ids(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor logits,
                                      torch::Tensor ids, int64_t vocab_size, torch::Tensor bad_rows,
                                      torch::Tensor mirror, c10::optional<int64_t> poison);
@@ -34,7 +36,8 @@ torch::Tensor fingerprint_rows(torch::Tensor words, torch::Tensor mult, int64_t 
 }  // namespace sm90
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fused_stats", &sm90::fused_stats, "GEMM + contract tile statistics (sm_90a)");
+  m.def("fused_stats", &sm90::fused_stats, "GEMM + contract tile statistics (sm_90a), launch configuration by name");
+  m.def("launch_names", &sm90::launch_names, "the fused kernel's launch configurations");
   m.def("merge_stats", &sm90::merge_stats, "contract row merge");
   m.def("logits_and_stats", &sm90::logits_and_stats,
         "serving head: fused_stats at T = 1 with FP32 logits, outputs allocated by the extension");

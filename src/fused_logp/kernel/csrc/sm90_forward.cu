@@ -23,6 +23,8 @@
 #include "contract_math.cuh"
 #include "launch.cuh"
 
+#include <string>
+
 namespace sm90 {
 namespace {
 // ---------------------------------------------------------------------------------------------------------
@@ -191,13 +193,29 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
   return out;
 }
 
-// Tile statistics of a weight (shard) whose row 0 is vocabulary id vocab_start; n_real real columns.
-// launch (kernel/sm90.py LAUNCHES, where "auto" is resolved by row count): 1 = CTA 128x256, 2 = CTA 64x256,
-// 3 = CTA 64x128; + 16 = timing hook (mainloop only, statistics not computed).
+// The launch configurations of the fused kernel, by name (kernel/sm90.py LAUNCHES, where "auto" is resolved by row
+// count): the CTA tile (rows x vocabulary columns). None changes a bit. launch_names() lists them for Python.
+std::vector<std::string> launch_names() { return {"cta-128x256", "cta-64x256", "cta-64x128"}; }
+
+static void launch_named(const std::string& launch, const torch::Tensor& hidden, const torch::Tensor& weight,
+                         const FusedParams& p, cudaStream_t stream) {
+  if (launch == "cta-128x256") {
+    launch_cta<2, 256>(hidden, weight, p, stream);
+  } else if (launch == "cta-64x256") {
+    launch_cta<1, 128>(hidden, weight, p, stream);
+  } else if (launch == "cta-64x128") {
+    launch_cta<1, 64>(hidden, weight, p, stream);
+  } else {
+    TORCH_CHECK(false, "sm90: launch must be one of cta-128x256, cta-64x256, cta-64x128; got '", launch, "'");
+  }
+}
+
+// Tile statistics of a weight (shard) whose row 0 is vocabulary id vocab_start; n_real real columns, with the launch
+// configuration named `launch`. mainloop_only: the timing hook (the mainloop alone, statistics not computed).
 void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targets, torch::Tensor temperature,
                  c10::optional<torch::Tensor> bias, int64_t vocab_start, int64_t n_real, torch::Tensor tile_max,
                  torch::Tensor tile_sum, torch::Tensor target_logit, c10::optional<torch::Tensor> logits,
-                 int64_t launch) {
+                 const std::string& launch, bool mainloop_only) {
   FusedParams p = entry_params("sm90", "n_real", hidden, weight, targets, temperature, bias, vocab_start, n_real);
   TORCH_CHECK(vocab_start % kTile == 0, "sm90: vocab_start must be a multiple of 64");
   const long long n = hidden.size(0);
@@ -211,8 +229,7 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
   p.tile_sum = tile_sum.data_ptr<float>();
   p.target_logit = target_logit.data_ptr<float>();
   p.logits = nullptr;
-  p.skip_epilogue = (launch & 16) ? 1 : 0;
-  const int which = static_cast<int>(launch & 15);
+  p.skip_epilogue = mainloop_only ? 1 : 0;
   if (logits.has_value()) {
     check_f32_2d(*logits, "logits", n, n_real);
     p.logits = logits->data_ptr<float>();
@@ -220,12 +237,7 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(hidden.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (which) {
-    case 1: launch_cta<2, 256>(hidden, weight, p, stream); break;
-    case 2: launch_cta<1, 128>(hidden, weight, p, stream); break;
-    case 3: launch_cta<1, 64>(hidden, weight, p, stream); break;
-    default: TORCH_CHECK(false, "sm90: unknown launch ", launch);
-  }
+  launch_named(launch, hidden, weight, p, stream);
 }
 
 // A serving head: the fused kernel at T = 1 over vocabulary ids [0, n_real) with its FP32 logits, outputs allocated
@@ -233,7 +245,7 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
 // slots go to a scratch row. -> {tile_max [N, nt], tile_sum [N, nt], logits [N, n_real], scratch [N]}.
 std::vector<torch::Tensor> logits_and_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor zeros,
                                             torch::Tensor ones, c10::optional<torch::Tensor> bias, int64_t n_real,
-                                            int64_t launch, c10::optional<int64_t> poison) {
+                                            const std::string& launch, c10::optional<int64_t> poison) {
   const int64_t n = hidden.size(0);
   const int64_t nt = (n_real + kTile - 1) / kTile;
   const c10::cuda::CUDAGuard guard(hidden.device());
@@ -241,7 +253,7 @@ std::vector<torch::Tensor> logits_and_stats(torch::Tensor hidden, torch::Tensor 
   torch::Tensor tile_sum = output_f32(std::vector<int64_t>{n, nt}, hidden, poison);
   torch::Tensor logits = output_f32(std::vector<int64_t>{n, n_real}, hidden, poison);
   torch::Tensor scratch = output_f32(std::vector<int64_t>{n}, hidden, poison);
-  fused_stats(hidden, weight, zeros, ones, bias, 0, n_real, tile_max, tile_sum, scratch, logits, launch);
+  fused_stats(hidden, weight, zeros, ones, bias, 0, n_real, tile_max, tile_sum, scratch, logits, launch, false);
   return {tile_max, tile_sum, logits, scratch};
 }
 
