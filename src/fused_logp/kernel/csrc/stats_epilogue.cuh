@@ -72,10 +72,11 @@ __device__ __forceinline__ float tree16(const float (&e)[16]) {
   return s;
 }
 
-// One item: z[h][i] is column tile_col + 16q + i of row row + 8h. Every thread of the warp calls it (the vote
-// below). The exp: contract_exp_fast where every lane of the warp qualifies (all 64 columns real, no non-finite
+// One item: z[h][i] is column tile_col + 16q + i of row row + 8h; T and tcol are the two rows' item_rows. Every
+// thread of the warp calls it (the vote below). The exp: contract_exp_fast where every lane of the warp qualifies (all 64 columns real, no non-finite
 // lane, z' - m_t >= FAST_EXP_MIN), else contract_exp_nonpos on the real lanes; both give the contract's bits.
-__device__ __forceinline__ void item_stats(const float4 (&v)[8], const FusedParams& p, int row, int tile_col) {
+__device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2],
+                                           const FusedParams& p, int row, int tile_col) {
   const int q = threadIdx.x % 4;
   const int c0 = tile_col + 16 * q;
   const bool full = tile_col + kTile <= p.n_real;   // warp-uniform
@@ -89,9 +90,6 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const FusedPara
       z[1][8 * jj + 2 * s] = v[4 * jj + s].z;
       z[1][8 * jj + 2 * s + 1] = v[4 * jj + s].w;
     }
-  float T[2];
-  long long tcol[2];
-  item_rows(p, row, T, tcol);
   if (p.bias != nullptr) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -200,8 +198,8 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const FusedPara
 }
 
 // The epilogue of a CTA's staged consumer tiles as items: NI = kConsumers * 4 * (WGN / 64) items, item k taken by
-// warp k % NW (warp index gw among the NW epilogue warps), the next item's values loaded before this item's
-// arithmetic. Consumer c's tile: rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte
+// warp k % NW (warp index gw among the NW epilogue warps), the next item's values and its rows' temperatures and
+// targets loaded before this item's arithmetic (global loads: their latency falls under it). Consumer c's tile: rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte
 // st + c * WGN * 256 of the shared window.
 template <int WM, int WGN, int NW>
 __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParams& p, int row0, int col0, int gw) {
@@ -216,28 +214,39 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
   int k = gw;
   if (k >= NI) return;
   float4 cur[8];
+  float T[2];
+  long long tcol[2];
   {
     int c, w, vt;
     coords(k, c, w, vt);
     load_item(cur, st + 16u * (c * (WGN * 16)), w, vt);
+    item_rows(p, row0 + 64 * (c % WM) + 16 * w + lane / 4, T, tcol);
   }
 #pragma unroll 1
   for (; k < NI; k += NW) {
     int c, w, vt;
     coords(k, c, w, vt);
     float4 nxt[8];
+    float Tn[2];
+    long long tcoln[2];
     const int kn = k + NW < NI ? k + NW : k;
     {
       int cn, wn, vtn;
       coords(kn, cn, wn, vtn);
       load_item(nxt, st + 16u * (cn * (WGN * 16)), wn, vtn);
+      item_rows(p, row0 + 64 * (cn % WM) + 16 * wn + lane / 4, Tn, tcoln);
     }
     const int rbase = row0 + 64 * (c % WM) + 16 * w;
     const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
     if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
-      item_stats(cur, p, rbase + lane / 4, tile_col);
+      item_stats(cur, T, tcol, p, rbase + lane / 4, tile_col);
 #pragma unroll
     for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      T[h] = Tn[h];
+      tcol[h] = tcoln[h];
+    }
   }
 }
 
