@@ -47,7 +47,8 @@ test-gpu:
 # those two commands only. Without the wheels the benchmarks still run and report the peers as not measured.
 # QuACK (the forward benchmark's third peer) is too large for build/wheels: its parts (`make peer-parts`) are sent
 # first and installed into /tmp/qsite, which is added to that PYTHONPATH when its ready mark is there.
-# `make bench-fwd-peers`: the forward benchmark alone, with the same peers (a shorter call).
+# `make bench-fwd-peers`: the forward benchmark alone, with the same peers (a shorter call); FWD_ARGS are passed to it
+# (e.g. FWD_ARGS="--sweep cta-128x256-mc2").
 bench-gpu: peer-site
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py
@@ -56,7 +57,7 @@ bench-gpu: peer-site
 	$(GPU_ENV) $(PYTHON) -P -m fused_logp_jobs.cli ladder --out $${OUT:-out}/ladder
 
 bench-fwd-peers: peer-site
-	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
+	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS)
 
 peer-site:
 	rm -rf $(PEER_SITE)
