@@ -34,19 +34,12 @@ struct Cfg {
 };
 
 // FULL_K: D is a multiple of 64, every stage holds 4 k16 groups (straight-line wgmma issue). DZ: the backward
-// epilogue (wg_dz_epilogue) instead of the statistics. CM = 2: clusters of two CTAs along M (the two M tiles of
-// one vocabulary tile, launch_cta rounds num_m up to even); each CTA's producer loads its own hidden tile and one
-// half of the shared weight tile, multicast into both CTAs (map_w's box is BN / 2 rows), so a weight tile crosses
-// L2 once per cluster; a stage is refilled once the consumers of both CTAs have released it. The accumulation
-// order does not depend on CM.
-template <int WM, int WGN, bool FULL_K, bool DZ, int CM = 1>
+// epilogue (wg_dz_epilogue) instead of the statistics.
+template <int WM, int WGN, bool FULL_K, bool DZ>
 __global__ void __launch_bounds__(kThreads, 1)
 fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                    const __grid_constant__ CUtensorMap map_o, const FusedParams p) {
   using C = Cfg<WM, WGN>;
-  static_assert(CM == 1 || CM == 2, "clusters of one or two CTAs");
-  static_assert(CM == 1 || !DZ, "the backward runs without clusters");
-  static_assert(C::BN % (8 * CM) == 0, "the weight tile splits into whole 8-row swizzle groups");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::STAGES * C::STAGE_BYTES);
@@ -64,12 +57,11 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers * CM);     // the consumer warpgroups of every CTA the stage is loaded into
+      mbar_init(&empty[s], kConsumers);
     }
     mbar_init_fence();
   }
-  if constexpr (CM > 1) cluster_sync();          // the peer's barriers exist before any multicast or remote arrive
-  else __syncthreads();
+  __syncthreads();
 
   if (wg == 0) {
     // Producer warpgroup: one thread issues TMA loads.
@@ -82,21 +74,13 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
         uint8_t* b = a + C::A_BYTES;
         mbar_expect_tx(&full[s], C::STAGE_BYTES);
         tma_load_2d(a, &map_h, &full[s], kb * kBK, m0);
-        if constexpr (CM == 1) {
-          tma_load_2d(b, &map_w, &full[s], kb * kBK, n0);
-        } else {
-          const int r = static_cast<int>(cluster_ctarank());
-          constexpr int HALF = C::BN / CM;
-          tma_load_2d_multicast(b + r * HALF * (kBK * 2), &map_w, &full[s], kb * kBK, n0 + r * HALF,
-                                static_cast<uint16_t>((1 << CM) - 1));
-        }
+        tma_load_2d(b, &map_w, &full[s], kb * kBK, n0);
       }
     }
     if constexpr (!DZ) {
       __syncwarp();
       if (!p.skip_epilogue) __syncthreads();   // the consumers' staging barrier (below)
     }
-    if constexpr (CM > 1) cluster_sync();      // no CTA of the cluster exits while the other may still arrive on it
     return;
   }
 
@@ -127,15 +111,7 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     // keep this stage's batch in flight; the previous one is done: release its stage
     wgmma_wait<1>();
     reg_fence<C::ACC>(acc);
-    if (kb > 0 && (threadIdx.x % 128) == 0) {
-      uint64_t* e = &empty[(kb + C::STAGES - 1) % C::STAGES];
-      if constexpr (CM == 1) {
-        mbar_arrive(e);
-      } else {
-#pragma unroll
-        for (int r = 0; r < CM; ++r) mbar_arrive_cluster(e, r);   // both CTAs' producers refill this stage
-      }
-    }
+    if (kb > 0 && (threadIdx.x % 128) == 0) mbar_arrive(&empty[(kb + C::STAGES - 1) % C::STAGES]);
   }
   wgmma_wait<0>();
   reg_fence<C::ACC>(acc);
@@ -156,7 +132,6 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     for (int i = 0; i < C::ACC; ++i) s += acc[i];
     if (row < p.n_rows && (threadIdx.x % 4) == 0 && n0 + wn * WGN < p.n_real)
       p.tile_max[static_cast<long long>(row) * p.nt + (n0 + wn * WGN) / kTile] = s;
-    if constexpr (CM > 1) cluster_sync();
     return;
   }
 
@@ -169,7 +144,6 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     __syncthreads();
     cta_items_epilogue<WM, WGN, 128 * kConsumers / 32>(smem_u32(smem), p, m0, n0, threadIdx.x / 32 - 4);
   }
-  if constexpr (CM > 1) cluster_sync();
 }
 
 }  // namespace sm90

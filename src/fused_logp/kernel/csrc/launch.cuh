@@ -84,46 +84,26 @@ inline int sm_count() {
   return n;
 }
 
-// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM), in clusters of CM CTAs along M
-// (CM = 2: the weight tile multicast to the cluster's two M tiles; fused_kernels.cuh).
-template <int WM, int WGN, int CM = 1>
+// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM).
+template <int WM, int WGN>
 void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream) {
   using C = Cfg<WM, WGN>;
   FusedParams q = p;
   q.num_m = (p.n_rows + C::BM - 1) / C::BM;
-  q.num_m = (q.num_m + CM - 1) / CM * CM;         // whole clusters: a tile beyond the rows loads zeros, stores nothing
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
   const CUtensorMap mh = make_map(hidden, C::BM);
-  const CUtensorMap mw = make_map(weight, C::BN / CM);
-  auto kern = (p.d % kBK == 0) ? fused_cta_kernel<WM, WGN, true, false, CM> : fused_cta_kernel<WM, WGN, false, false, CM>;
+  const CUtensorMap mw = make_map(weight, C::BN);
+  auto kern = (p.d % kBK == 0) ? fused_cta_kernel<WM, WGN, true, false> : fused_cta_kernel<WM, WGN, false, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
   TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");
   q.logits_vec4 = p.logits != nullptr && p.n_real % 4 == 0 && reinterpret_cast<uintptr_t>(p.logits) % 16 == 0;
-  if constexpr (CM == 1) {
-    kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, mh /*map_o: dz kernels only*/, q);
-  } else {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = C::SMEM;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CM;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, mh, mw, mh, q));
-  }
+  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, mh /*map_o: dz kernels only*/, q);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
-extern template void launch_cta<2, 256, 2>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
-                                           cudaStream_t);
 
 }  // namespace sm90

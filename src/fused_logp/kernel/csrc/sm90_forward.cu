@@ -194,9 +194,8 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 }
 
 // The launch configurations of the fused kernel, by name (kernel/sm90.py LAUNCHES, where "auto" is resolved by row
-// count): the CTA tile (rows x vocabulary columns), "-mc2" in clusters of two CTAs along M sharing the weight tile
-// (multicast). None changes a bit. launch_names() lists them for Python.
-std::vector<std::string> launch_names() { return {"cta-128x256", "cta-64x256", "cta-64x128", "cta-128x256-mc2"}; }
+// count): the CTA tile (rows x vocabulary columns). None changes a bit. launch_names() lists them for Python.
+std::vector<std::string> launch_names() { return {"cta-128x256", "cta-64x256", "cta-64x128"}; }
 
 static void launch_named(const std::string& launch, const torch::Tensor& hidden, const torch::Tensor& weight,
                          const FusedParams& p, cudaStream_t stream) {
@@ -206,11 +205,8 @@ static void launch_named(const std::string& launch, const torch::Tensor& hidden,
     launch_cta<1, 128>(hidden, weight, p, stream);
   } else if (launch == "cta-64x128") {
     launch_cta<1, 64>(hidden, weight, p, stream);
-  } else if (launch == "cta-128x256-mc2") {
-    launch_cta<2, 256, 2>(hidden, weight, p, stream);
   } else {
-    TORCH_CHECK(false, "sm90: launch must be one of cta-128x256, cta-64x256, cta-64x128, cta-128x256-mc2; got '",
-                launch, "'");
+    TORCH_CHECK(false, "sm90: launch must be one of cta-128x256, cta-64x256, cta-64x128; got '", launch, "'");
   }
 }
 

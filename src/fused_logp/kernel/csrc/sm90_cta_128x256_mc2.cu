@@ -1,6 +1,0 @@
-// The CTA kernel with a 128x256 tile in clusters of two along M (the weight tile multicast), forward statistics.
-#include "launch.cuh"
-
-namespace sm90 {
-template void launch_cta<2, 256, 2>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
-}  // namespace sm90
