@@ -366,6 +366,26 @@ class _HostCounters:
         self.sums = collections.Counter()
         self.others = collections.Counter()
         self._t0 = None
+        self.probe_ms = []          # the fixed pure-Python workload's time before and after each timed run
+        self.cpus = collections.Counter()      # the vCPU the main thread last ran on, at each start and stop
+
+    @staticmethod
+    def py_probe() -> float:
+        """Milliseconds of one fixed pure-Python workload (dict and list work of the kind vLLM's scheduler does,
+        ~5 ms): the speed of this process's main thread on this host at that moment, independent of vLLM."""
+        t = time.perf_counter()
+        d = {}
+        for i in range(40000):
+            d[i & 1023] = d.get(i & 1023, 0) + i
+        sorted(list(d.values()) * 20)
+        return 1e3 * (time.perf_counter() - t)
+
+    def _cpu(self):
+        try:
+            st = open(f"/proc/self/task/{self.main}/stat").read()
+            self.cpus[int(st[st.rindex(")") + 2:].split()[36])] += 1
+        except (OSError, ValueError, IndexError):
+            pass
 
     @staticmethod
     def _read():
@@ -390,10 +410,14 @@ class _HostCounters:
         return out
 
     def start(self):
+        self.probe_ms.append(self.py_probe())
+        self._cpu()
         self._t0 = self._read()
 
     def stop(self):
         t1, t0 = self._read(), self._t0
+        self.probe_ms.append(self.py_probe())
+        self._cpu()
         self.sums["steal_ticks"] += t1["steal"] - t0["steal"]
         self.sums["machine_busy_ticks"] += t1["busy"] - t0["busy"]
         self.sums["nonvoluntary_switches"] += t1["nonvol"] - t0["nonvol"]
@@ -407,7 +431,9 @@ class _HostCounters:
 
     def report(self) -> dict:
         return dict(self.sums, other_threads_ticks=sum(self.others.values()),
-                    busiest_other_threads=dict(self.others.most_common(5)))
+                    busiest_other_threads=dict(self.others.most_common(5)),
+                    py_probe_ms=[round(x, 3) for x in self.probe_ms],
+                    main_thread_cpus={str(c): n for c, n in sorted(self.cpus.items())})
 
 
 # Engine kinds of the speed part. off: plain vLLM, plugin not loaded. on: the plugin enabled (strict, no capture).
@@ -656,6 +682,7 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
             set_mode(mode)
             llm.generate(prompts, params, use_tqdm=False)
         times, pauses = {"off": [], "on": []}, {"off": [], "on": []}
+        host = _HostCounters()
         with _GcClock() as clock:
             for i in range(pairs):
                 for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
@@ -664,6 +691,7 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
                     outs = None
                     gc.collect()
                     clock.reset()
+                    host.probe_ms.append(host.py_probe())
                     outs, wall = _timed_generate(llm, prompts, params)
                     times[mode].append(wall)
                     pauses[mode].append(clock.total())
@@ -677,7 +705,7 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
             "ratio": round(med["off"] / med["on"], 4), "ratio_without_gc_pauses": round(net["off"] / net["on"], 4),
             "times_s": {m: [round(x, 4) for x in times[m]] for m in times},
             "gc_pause_s": {m: [round(x, 4) for x in pauses[m]] for m in pauses},
-            "op_calls": calls}
+            "py_probe_ms": _median_or_none(host.probe_ms), "op_calls": calls}
     res["non_contract"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["non_contract"]
     return res
 
@@ -943,14 +971,25 @@ def _pool_kinds(result, rounds: int, kinds) -> dict:
                          if wall else None,
                          "steal_ticks": sum(h.get("steal_ticks", 0) for h in hosts),
                          "nonvoluntary_switches": sum(h.get("nonvoluntary_switches", 0) for h in hosts),
-                         "other_threads_ticks": sum(h.get("other_threads_ticks", 0) for h in hosts)}
+                         "other_threads_ticks": sum(h.get("other_threads_ticks", 0) for h in hosts),
+                         "py_probe_ms": _median_or_none([x for h in hosts for x in h.get("py_probe_ms", [])])}
     if "off" in out and "error" not in out["off"]:
         for k in out:
             if "error" in out[k]:
                 continue
             for b in out[k]:
-                out[k][b]["ratio_to_off"] = round(out["off"][b]["median_s"] / out[k][b]["median_s"], 4)
+                x, off = out[k][b], out["off"][b]
+                x["ratio_to_off"] = round(off["median_s"] / x["median_s"], 4)
+                # the same ratio with each kind's run time divided by its host's pure-Python probe time: what is
+                # left of the gap once the main thread's speed on the host at that moment is taken out
+                if x["py_probe_ms"] and off["py_probe_ms"]:
+                    x["ratio_to_off_probe_normalised"] = round(
+                        (off["median_s"] / off["py_probe_ms"]) / (x["median_s"] / x["py_probe_ms"]), 4)
     return out
+
+
+def _median_or_none(xs):
+    return round(statistics.median(xs), 3) if xs else None
 
 
 def _wait(procs, until, result, out):
