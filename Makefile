@@ -46,7 +46,7 @@ test-gpu:
 # (`make peer-wheels`, below) are in build/wheels: they are installed into build/peer-site, which is on PYTHONPATH for
 # those two commands only. Without the wheels the benchmarks still run and report the peers as not measured.
 # QuACK (the forward benchmark's third peer) is too large for build/wheels: its parts (`make peer-parts`) are sent
-# first and installed into /tmp/qsite, which is added to that PYTHONPATH when its ready mark is there.
+# first and installed into /tmp/qsite/site-packages, which is added to that PYTHONPATH when its ready mark is there.
 # `make bench-fwd-peers`: the forward benchmark alone, with the same peers (a shorter call); FWD_ARGS are passed to it
 # (e.g. FWD_ARGS="--sweep cta-128x256-mc2").
 bench-gpu: peer-site
@@ -91,9 +91,10 @@ megatron-wheels:
 # downloaded too and installed only where `import packaging` fails). CCE's default impl also runs torch.compile (inductor).
 PEER_WHEELS := liger-kernel==0.8.5 cut-cross-entropy==25.1.1 packaging==25.0
 PEER_SITE := build/peer-site
-QUACK_SITE := /tmp/qsite
+QUACK_SITE := /tmp/qsite/site-packages
 # (CUTLASS DSL's `cutlass` package lives under nvidia_cutlass_dsl/dsl_packages, put on sys.path by a .pth file that a
-# --target site does not run)
+# --target site does not run. The path must contain /site-packages/: QuACK's epilogue fingerprint treats code as
+# library code by that path, and under /tmp/qsite it walked into CUTLASS DSL and failed; tools/vllm_gpu_parts.sh)
 QUACK_PATH := $(if $(wildcard $(QUACK_SITE)/.quack_gpu_ready),:$(QUACK_SITE):$(QUACK_SITE)/nvidia_cutlass_dsl/dsl_packages)
 PEER_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests:$(CURDIR)/$(PEER_SITE)$(QUACK_PATH) PYTHONUNBUFFERED=1
 
@@ -110,7 +111,8 @@ peer-wheels:
 # how to run"):
 #   carry ["build/quack-gpu/part01"]                  bash build/quack-gpu/part01/vstash.sh
 #   carry ["build/quack-gpu/part02", "build/wheels"]  bash build/quack-gpu/part02/vstash.sh --final && make bench-gpu OUT=$OUT
-# `make peer-parts-check` joins, verifies and installs the parts here into build/quack-check (--no-deps, no import).
+# `make peer-parts-check` joins, verifies and installs the parts here into build/quack-check (--no-deps, no import)
+# and checks that the parts install into a site-packages path on the GPU machine.
 peer-parts: peer-wheels
 	bash tools/vllm_gpu_parts.sh $(CURDIR) --set quack --download --part-mib 57
 	ls -l build/quack-gpu/*
@@ -125,6 +127,8 @@ peer-parts-check:
 	ls build/quack-check/site
 	test -f build/quack-check/site/nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py
 	test -f build/quack-check/site/quack/linear_cross_entropy.py
+	@# the GPU-side site must lie under a .../site-packages/ path (QuACK's epilogue fingerprint; see QUACK_SITE)
+	grep -q 'GPU_PARTS_SITE:-[^}]*/site-packages}' build/quack-gpu/part01/vstash.sh
 
 test-megatron-gpu:
 	@ls build/wheels/megatron_core-*.whl >/dev/null 2>&1 || { echo "no megatron-core wheel in build/wheels:" \

@@ -9,7 +9,7 @@
 #   CHECKOUT      the checkout whose tree travels with `run` (the parts go to CHECKOUT/build/<set>-gpu/partNN/)
 #   --set NAME    which wheels: vllm (default) or quack; each set has its own parts folder, stash and site on the
 #                 GPU machine (vllm: build/vllm-gpu, /tmp/vstash, /tmp/vsite; quack: build/quack-gpu, /tmp/qstash,
-#                 /tmp/qsite), so both can be installed on one warm machine
+#                 /tmp/qsite/site-packages), so both can be installed on one warm machine
 #   --slim        carry a reduced vLLM wheel (drops the FA2 kernels, the MoE kernels, the Rust frontend and the
 #                 DeepGEMM/FMHA JIT headers; FA3 stored LZMA-compressed): ~2 calls instead of ~6. Dense models on
 #                 Hopper only (FA3 attention; no MoE, no Rust frontend). Without it the PyPI wheel travels as is.
@@ -21,9 +21,9 @@
 # On the GPU machine each command runs `bash build/vllm-gpu/partNN/vstash.sh` with carry ["build/vllm-gpu/partNN"]: it copies
 # the part into /tmp/vstash; the call that completes the set joins the split files (cat), checks sha256, runs
 # `pip install --no-index --no-deps --no-compile --target /tmp/vsite` and touches /tmp/vsite/.vllm_gpu_ready.
-# (Set quack: build/quack-gpu/partNN/vstash.sh, /tmp/qstash, /tmp/qsite, /tmp/qsite/.quack_gpu_ready. CUTLASS DSL puts
-# its `cutlass` package on sys.path through a .pth file, which a --target site does not run: PYTHONPATH needs
-# /tmp/qsite/nvidia_cutlass_dsl/dsl_packages too; the script prints the line. GPU_PARTS_STASH and GPU_PARTS_SITE, when
+# (Set quack: build/quack-gpu/partNN/vstash.sh, /tmp/qstash, /tmp/qsite/site-packages, its .quack_gpu_ready. CUTLASS
+# DSL puts its `cutlass` package on sys.path through a .pth file, which a --target site does not run: PYTHONPATH needs
+# <site>/nvidia_cutlass_dsl/dsl_packages too; the script prints the line. GPU_PARTS_STASH and GPU_PARTS_SITE, when
 # set, replace the stash and site folders, and GPU_PARTS_PIP_ARGS is added to pip's install line: for checking a set's
 # join and install away from the GPU machine, e.g. with "--python-version 3.12 --platform manylinux_2_28_x86_64".)
 # The last call passes --final, so a set left incomplete by a machine that went cold fails (rc 3) instead of running.
@@ -72,9 +72,15 @@ case "$SET" in
     # CUDA 13.0): einops, cuda-bindings, protobuf, typing-extensions, triton are there; torch 2.11 has the DLPack
     # exchange attribute itself, so torch-c-dlpack-ext (built for torch <= 2.9) is carried for completeness and
     # not loaded. apache-tvm-ffi 0.1.10 is the version vLLM's set carries.
+    # The site's path must contain /site-packages/: QuACK keys each epilogue's compiled kernel on a fingerprint of
+    # its fn and, recursively, of every global that fn reaches (quack/gemm_runtime/identity.py, semantic_value_key),
+    # and stops at library code only by path (_is_extern_function: a file under .../site-packages/, .../dist-packages/
+    # or the stdlib). Under a plain --target /tmp/qsite the walk entered CUTLASS DSL's dsl_user_op wrapper
+    # (cutlass/_mlir_helpers/op.py) and failed at import on its ContextVar _LOC_TRANSFORMS (TypeError "... has no
+    # fail-closed semantic key"); under /tmp/qsite/site-packages the same wheels compiled and ran on the H200.
     PINS="quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
 nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.10 torch-c-dlpack-ext==0.1.5"
-    STASH_DIR=/tmp/qstash; SITE_DIR=/tmp/qsite; READY=.quack_gpu_ready
+    STASH_DIR=/tmp/qstash; SITE_DIR=/tmp/qsite/site-packages; READY=.quack_gpu_ready
     PYPATH=$SITE_DIR:$SITE_DIR/nvidia_cutlass_dsl/dsl_packages; RUN_ENV=""
     # `make bench-gpu` puts the site on the benchmarks' PYTHONPATH itself; build/wheels holds Liger's and CCE's wheels
     LAST_RUN="make bench-gpu OUT=\$OUT"; LAST_CARRY=', "build/wheels"'
