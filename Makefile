@@ -201,10 +201,13 @@ vllm-gpu: vllm-gpu-sm90
 # Only the speed parts of vllm-gpu (no checks, no trainer-side scoring): SPEED_ROUNDS alternating off/on engines
 # (default 1; odd rounds start with the plugin), then plugin on and off alternating inside one engine (speed-ab;
 # SPEED_AB=N runs N such engines one after another, default 1, 0 skips it). SPEED_KINDS="off,registered,bypass,on"
-# adds the engine kinds between plain vLLM and the plugin (bench/vllm_gpu.py SPEED_KINDS).
+# adds the engine kinds between plain vLLM and the plugin (bench/vllm_gpu.py SPEED_KINDS). SPEED_PAIRED=N (default
+# 0: skipped) adds speed-paired: plain vLLM and the plugin in two engines started together, taking turns one timed
+# run at a time, N alternating pairs per batch size (e.g. SPEED_ROUNDS=0 SPEED_AB=0 SPEED_PAIRED=9 for only that).
 vllm-gpu-speed: vllm-gpu-sm90
 	$(VLLM_GPU_ENV) FUSED_LOGP_VLLM_BENCH_SPEED_ONLY=1 FUSED_LOGP_VLLM_BENCH_SPEED_ROUNDS=$(or $(SPEED_ROUNDS),1) \
 		FUSED_LOGP_VLLM_BENCH_SPEED_AB=$(or $(SPEED_AB),1) FUSED_LOGP_VLLM_BENCH_SPEED_KINDS=$(or $(SPEED_KINDS),off$(comma)on) \
+		FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED=$(or $(SPEED_PAIRED),0) \
 		$(PYTHON) -P bench/vllm_gpu.py all --deadline 560 --out $(VLLM_GPU_OUT)/vllm-gpu-speed; rc=$$?; \
 	cp $(VLLM_GPU_OUT)/vllm-gpu-speed/vllm-gpu.json $(VLLM_GPU_OUT)/vllm-gpu-speed.json; \
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-speed.tgz -C $(VLLM_GPU_OUT) vllm-gpu-speed && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-speed; exit $$rc

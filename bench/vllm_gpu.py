@@ -18,6 +18,9 @@ Parts (each an in-process engine in its own subprocess; the plugin registered by
          pauses inside the runs; the host's counters during the runs (steal time, per-thread CPU, involuntary
          switches); and the lm_head and sampler host time and device span per step.
   speed-ab : the plugin on and off alternating inside one engine (run_speed_ab).
+  speed-paired (in `all` with FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED=N): plain vLLM and the plugin in two engines, two
+         processes (speed-serve) pinned to the same vCPUs, taking turns one timed run at a time, N alternating pairs
+         per batch size (run_speed_paired): the separate-engine comparison without the host's drift between engines.
   score  : the trainer-side scoring time, linear_logp (SM90) against F.linear + log_softmax + gather.
 """
 from __future__ import annotations
@@ -465,11 +468,9 @@ def _speed_part(kind: str, r: int) -> str:
     return f"speed-{kind}" + (f"-r{r}" if r else "")
 
 
-def run_speed(model_dir, kind: str = "on", out_tokens: int = 64) -> dict:
-    import gc
-
-    import torch
-
+def _speed_engine(model_dir, kind: str, share: float = 0.5):
+    """The engine of a speed part's kind (SPEED_KINDS), as run_speed and speed-paired build it. -> (engine, its
+    _StepTimers with vLLM's own Sampler.__call__ wrapped, start seconds)."""
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
     if kind not in SPEED_KINDS:
@@ -485,9 +486,20 @@ def run_speed(model_dir, kind: str = "on", out_tokens: int = 64) -> dict:
     if kind == "bypass":
         _switchable_head()[0] = True
     t0 = time.time()
-    llm = _engine(model_dir, plugin=plugin, capture=False, eager=False, max_num_seqs=256, share=0.5)
-    res = {"plugin": kind == "on", "kind": kind, "start_s": round(time.time() - t0, 1), "out_tokens": out_tokens,
-           "batches": {}}
+    llm = _engine(model_dir, plugin=plugin, capture=False, eager=False, max_num_seqs=256, share=share)
+    return llm, timers, round(time.time() - t0, 1)
+
+
+def run_speed(model_dir, kind: str = "on", out_tokens: int = 64) -> dict:
+    import gc
+
+    import torch
+
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    plugin = kind in ("on", "bypass")
+    llm, timers, start_s = _speed_engine(model_dir, kind)
+    res = {"plugin": kind == "on", "kind": kind, "start_s": start_s, "out_tokens": out_tokens, "batches": {}}
     if plugin:
         res["status"] = llm.collective_rpc("fused_logp_status")[0]["heads"][0]["provenance"]
     g = torch.Generator().manual_seed(3)
@@ -710,6 +722,281 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
     return res
 
 
+# --------------------------------------------------------------------------------------------------------------
+# speed-paired: plain vLLM and the plugin in two engines (two processes) that take turns
+# --------------------------------------------------------------------------------------------------------------
+
+def _die_with_parent(parent: int):
+    """End this process when the process that started it ends (Linux: PR_SET_PDEATHSIG = SIGKILL), and now if it
+    has already gone."""
+    import signal
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))       # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if parent and os.getppid() != parent:
+        os._exit(3)
+
+
+def _plugin_head_status(llm):
+    """The plugin's first head status over its RPC, or None where the plugin is not loaded in this process."""
+    if "fused_logp.vllm_plugin" not in sys.modules:
+        return None
+    try:
+        return llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+    except Exception:  # noqa: BLE001  (registered, not enabled: no head)
+        return None
+
+
+def serve_speed(model_dir, kind: str, cpus, out_tokens: int = 64, share: float = 0.3):
+    """One engine of speed-paired (a child of run_speed_paired): pinned to `cpus` before anything else starts a
+    thread, builds the engine of `kind` as run_speed does (GPU memory share `share`, so that two fit on one GPU),
+    warms each batch size up with run_speed's prompts and params (_decode_batch, the same seed in both engines),
+    then answers one JSON line per command line on stdin, on what was its stdout (vLLM's own output goes to stderr):
+      {"cmd": "run", "bs": n}: gc.collect(), then one timed generate -> wall time, gc pause, py_probe before/after
+      {"cmd": "status"}: the plugin head's op_calls and non_contract (0 / None without the plugin)
+      {"cmd": "host"}: the host's counters over this engine's timed runs, per batch size
+      {"cmd": "quit"} or end of stdin: exit. The process also ends when its parent does (_die_with_parent)."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    _die_with_parent(int(os.environ.get("FUSED_LOGP_VLLM_BENCH_PAIRED_PARENT", "0")))
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+
+    def send(msg):
+        proto.write(json.dumps(msg, default=str) + "\n")
+        proto.flush()
+
+    try:
+        import gc
+
+        import torch
+
+        started_at = time.time()
+        llm, _, start_s = _speed_engine(model_dir, kind, share=share)
+        head = _plugin_head_status(llm)
+        send({"built": True, "kind": kind, "pid": os.getpid(), "started_at": round(started_at, 3),
+              "start_s": start_s, "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+              # loaded: the plugin's module imported in this process (on the CPU dry run, its installed entry point
+              # registers it in plain engines too); active: an engine head served by the plugin (its status RPC)
+              "plugin_loaded": "fused_logp.vllm_plugin" in sys.modules, "plugin_head_active": head is not None,
+              "status": head["provenance"] if head else None,
+              "non_contract_after_start": head["non_contract"] if head else None})
+        t = time.time()
+        g = torch.Generator().manual_seed(3)                         # run_speed's prompts and params
+        work = {}
+        for bs in (1, 64, 256):
+            work[bs] = _decode_batch(g, bs, out_tokens)
+            llm.generate(*work[bs], use_tqdm=False)                  # warm-up
+        hosts = {bs: _HostCounters() for bs in work}
+        send({"ready": True, "warm_s": round(time.time() - t, 1)})
+        with _GcClock() as clock:
+            while True:
+                line = sys.stdin.readline()
+                if not line:
+                    break
+                cmd = json.loads(line)
+                if cmd["cmd"] == "quit":
+                    break
+                if cmd["cmd"] == "status":
+                    head = _plugin_head_status(llm)
+                    send({"op_calls": head["op_calls"] if head else 0,
+                          "non_contract": head["non_contract"] if head else None})
+                elif cmd["cmd"] == "host":
+                    send({str(bs): h.report() for bs, h in hosts.items()})
+                elif cmd["cmd"] == "run":
+                    bs = int(cmd["bs"])
+                    host = hosts[bs]
+                    outs = None
+                    gc.collect()
+                    clock.reset()
+                    host.start()
+                    outs, wall = _timed_generate(llm, *work[bs])
+                    host.stop()
+                    n = sum(len(o.outputs[0].token_ids) for o in outs)
+                    if n != bs * out_tokens:
+                        raise RuntimeError(f"{n} tokens generated, not {bs * out_tokens}")
+                    send({"wall_s": wall, "gc_pause_s": clock.total(), "py_probe_ms": host.probe_ms[-2],
+                          "py_probe_after_ms": host.probe_ms[-1], "at": round(time.time(), 3)})
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+    except BaseException as e:
+        send({"error": f"{type(e).__name__}: {e}"})
+        raise
+    return {}
+
+
+def _proc_ticks(pid: int):
+    """CPU ticks (1/100 s, user + system, all threads) of process `pid` so far; None where /proc cannot tell."""
+    try:
+        st = open(f"/proc/{pid}/stat").read()
+        f = st[st.rindex(")") + 2:].split()
+        return int(f[11]) + int(f[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Peer:
+    """The coordinator's end of one serve_speed child: JSON lines to its stdin, JSON lines from its stdout (read
+    with a time limit), its stderr (vLLM's log) to `log_path`."""
+
+    def __init__(self, kind: str, model_dir, cpus, log_path: Path, share: float):
+        cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "speed-serve", "--plugin", kind,
+               "--model-dir", str(model_dir), "--share", str(share)]
+        if cpus:
+            cmd += ["--cpus", ",".join(map(str, cpus))]
+        self.kind, self.buf = kind, b""
+        self.log = open(log_path, "w")
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                  env=dict(os.environ, FUSED_LOGP_VLLM_BENCH_PAIRED_PARENT=str(os.getpid())))
+
+    def send(self, msg: dict):
+        try:
+            self.p.stdin.write((json.dumps(msg) + "\n").encode())
+            self.p.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass                                    # recv reports the child's end
+
+    def recv(self, until: float) -> dict:
+        import select
+        fd = self.p.stdout.fileno()
+        while b"\n" not in self.buf:
+            left = until - time.time()
+            if left <= 0:
+                raise TimeoutError(f"speed-paired {self.kind}: no answer in time")
+            if not select.select([fd], [], [], min(left, 5.0))[0]:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                try:
+                    self.p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+                raise RuntimeError(f"speed-paired {self.kind}: the engine's process ended (rc {self.p.returncode})")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"speed-paired {self.kind}: {msg['error']}")
+        return msg
+
+    def close(self):
+        if self.p.poll() is None:
+            self.send({"cmd": "quit"})
+            try:
+                self.p.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.log.close()
+
+
+def run_speed_paired(model_dir, out: Path, pairs: int, until: float, out_tokens: int = 64) -> dict:
+    """Plain vLLM ("off") and the plugin ("on", strict, no capture) in two engines, each in its own process, as
+    run_speed builds them (GPU memory share 0.3 each: both on one GPU), pinned to the same vCPUs (the coordinator's,
+    or FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_CPUS="0,1,..."), both started and warmed up before any timed run. Per batch
+    size, `pairs` pairs of timed generates, one engine at a time, the order alternating per pair (off-on, on-off,
+    ...): the two engines run in the same minutes, so a drift of the host's speed falls on both. Each run is one
+    serve_speed "run" (gc.collect(), run_speed's prompts and params) reporting its wall time, gc pause and the
+    pure-Python probe (_HostCounters.py_probe) before it. FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_STAGGER=1 starts the
+    "on" engine only once the "off" engine is built."""
+    t0 = time.time()
+    env_cpus = os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_CPUS", "")
+    if env_cpus:
+        cpus = sorted(int(c) for c in env_cpus.split(",") if c)
+    else:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = 0.3
+    res = {"what": "plain vLLM and the plugin in two engines (two processes) taking turns (run_speed_paired)",
+           "pairs": pairs, "out_tokens": out_tokens, "cpus": cpus, "gpu_memory_share": share, "engines": {},
+           "batches": {}}
+    per_run = 900 if DRY else 120                   # one timed generate (the CPU's engines are slower)
+    peers = {}
+    try:
+        stagger = os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_STAGGER") == "1"
+        for kind in ("off", "on"):
+            peers[kind] = _Peer(kind, model_dir, cpus, out / f"speed-paired-{kind}.log", share)
+            print(f"speed-paired: started the {kind} engine's process {peers[kind].p.pid}", flush=True)
+            if stagger:
+                res["engines"][kind] = peers[kind].recv(until)
+        for kind in peers:
+            if kind not in res["engines"]:
+                res["engines"][kind] = peers[kind].recv(until)
+        for kind in peers:
+            res["engines"][kind].update(peers[kind].recv(until))
+            res["engines"][kind]["ready_after_s"] = round(time.time() - t0, 1)
+        print(f"speed-paired: both engines ready after {round(time.time() - t0, 1)} s", flush=True)
+
+        def status():
+            out_ = {}
+            for k, peer in peers.items():
+                peer.send({"cmd": "status"})
+                out_[k] = peer.recv(min(until, time.time() + per_run))
+            return out_
+
+        before = status()
+        res["op_calls_after_warm_up"] = {k: before[k]["op_calls"] for k in before}
+        for bs in (1, 64, 256):
+            runs, order = {"off": [], "on": []}, []
+            for i in range(pairs):
+                seq = ("off", "on") if i % 2 == 0 else ("on", "off")
+                order.append("-".join(seq))
+                for k in seq:
+                    other = peers["on" if k == "off" else "off"].p.pid
+                    idle0 = _proc_ticks(other)
+                    peers[k].send({"cmd": "run", "bs": bs})
+                    runs[k].append(peers[k].recv(min(until, time.time() + per_run)))
+                    idle1 = _proc_ticks(other)
+                    runs[k][-1]["other_engine_ticks"] = None if idle0 is None or idle1 is None else idle1 - idle0
+            after = status()
+            toks = bs * out_tokens
+            times = {k: [r["wall_s"] for r in runs[k]] for k in runs}
+            pauses = {k: [r["gc_pause_s"] for r in runs[k]] for k in runs}
+            probes = {k: [r["py_probe_ms"] for r in runs[k]] for k in runs}
+            med = {k: statistics.median(times[k]) for k in times}
+            net = {k: statistics.median(t - p for t, p in zip(times[k], pauses[k])) for k in times}
+            per_pair = [off / on for off, on in zip(times["off"], times["on"])]
+            normalised = [(off / po) / (on / pn) for off, on, po, pn in
+                          zip(times["off"], times["on"], probes["off"], probes["on"]) if po > 0 and pn > 0]
+            res["batches"][str(bs)] = {
+                "tok_s_off": round(toks / med["off"], 1), "tok_s_on": round(toks / med["on"], 1),
+                "ratio": round(med["off"] / med["on"], 4), "ratio_without_gc_pauses": round(net["off"] / net["on"], 4),
+                "ratio_per_pair": [round(x, 4) for x in per_pair],
+                "ratio_per_pair_median": round(statistics.median(per_pair), 4),
+                # each run's time divided by its engine's probe just before it, then the pair's ratio (median)
+                "ratio_per_pair_probe_normalised_median": round(statistics.median(normalised), 4) if normalised
+                else None,
+                "py_probe_ms_off": _median_or_none(probes["off"]), "py_probe_ms_on": _median_or_none(probes["on"]),
+                "order": order,
+                "times_s": {k: [round(x, 4) for x in times[k]] for k in times},
+                "gc_pause_s": {k: [round(x, 4) for x in pauses[k]] for k in pauses},
+                "py_probe_ms": {k: [round(x, 3) for x in probes[k]] for k in probes},
+                # CPU ticks (1/100 s) the other, waiting engine's process used during each of this side's runs
+                "other_engine_ticks": {k: [r["other_engine_ticks"] for r in runs[k]] for k in runs},
+                "op_calls": {k: after[k]["op_calls"] - before[k]["op_calls"] for k in after}}
+            before = after
+            head = {k: v for k, v in res["batches"][str(bs)].items() if k.startswith(("tok_s", "ratio"))}
+            print(f"speed-paired: batch {bs}: {json.dumps(head)}", flush=True)
+        res["non_contract"] = {k: before[k]["non_contract"] for k in before}
+        for k, peer in peers.items():
+            peer.send({"cmd": "host"})
+            res["engines"][k]["host"] = peer.recv(min(until, time.time() + per_run))
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for peer in peers.values():
+            peer.close()
+        res["rc"] = {k: peer.p.returncode for k, peer in peers.items()}
+    res["total_s"] = round(time.time() - t0, 1)
+    (out / "speed-paired.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
 def _split_profile(llm, g, plugin: bool, out_tokens: int = 64) -> dict:
     """Where a decode step's time goes, plugin on or off (in-process engine: the worker runs in this process).
     Per batch size 1, 64, 256: step wall time; host ms and device span per step of the lm_head
@@ -915,6 +1202,14 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
         p = _child(["speed-ab", "--model-dir", str(model_dir), "--json", str(out / f"{name}.json")],
                    out / f"{name}.log", 0)[0]
         _wait({name: p}, min(time.time() + (900 if DRY else 200), t0 + deadline_s), result, out)
+    # FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED: pairs per batch size of speed-paired (plain vLLM and the plugin in two
+    # engines taking turns, run_speed_paired); 0 skips it
+    paired = 0 if os.environ.get("FUSED_LOGP_VLLM_BENCH_CHECKS_ONLY") else \
+        int(os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED", "0"))
+    if paired > 0:
+        result["speed-paired"] = run_speed_paired(
+            model_dir, out, paired, min(time.time() + (3600 if DRY else 400), t0 + deadline_s))
+        _write(out, result)
     if rounds:
         result["speed_kinds"] = _pool_kinds(result, rounds, kinds)
         result["speed_pooled"] = pooled = _pool_speed(result, rounds)
@@ -922,6 +1217,12 @@ def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
             result["speed_ratio_on_over_off"] = {b: x["ratio"] for b, x in pooled.items()}
             result["speed_ratio_on_over_off_without_gc_pauses"] = {
                 b: x["ratio_without_gc_pauses"] for b, x in pooled.items()}
+    if result.get("speed-paired", {}).get("batches"):
+        sp = result["speed-paired"]["batches"]
+        result["speed_paired_ratio_on_over_off"] = {b: x["ratio"] for b, x in sp.items()}
+        result["speed_paired_ratio_on_over_off_without_gc_pauses"] = {
+            b: x["ratio_without_gc_pauses"] for b, x in sp.items()}
+        result["speed_paired_ratio_per_pair_median"] = {b: x["ratio_per_pair_median"] for b, x in sp.items()}
     result["wall_s"] = round(time.time() - t0, 1)
     _write(out, result)
     return result
@@ -1012,7 +1313,8 @@ def _write(out: Path, result: dict):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["all", "check", "speed", "speed-ab", "score", "model", "small-model", "mpstart"])
+    ap.add_argument("what", choices=["all", "check", "speed", "speed-ab", "speed-serve", "score", "model",
+                                     "small-model", "mpstart"])
     ap.add_argument("--out", default="out/vllm-gpu")
     ap.add_argument("--model-dir", default="/tmp/fused_logp_qwen3_8bhead")
     ap.add_argument("--runner", default="v2")
@@ -1020,6 +1322,8 @@ def main():
     ap.add_argument("--plugin", default="on", help="check/mpstart: on or off; speed: an engine kind (SPEED_KINDS)")
     ap.add_argument("--json")
     ap.add_argument("--deadline", type=float, default=480.0)
+    ap.add_argument("--cpus", default="", help="speed-serve: the vCPUs to pin the engine's process to (0,1,...)")
+    ap.add_argument("--share", type=float, default=0.3, help="speed-serve: the engine's GPU memory share")
     a = ap.parse_args()
     if a.what != "mpstart":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -1037,6 +1341,9 @@ def main():
         return
     if a.what == "model":
         make_model(Path(a.model_dir))
+        return
+    if a.what == "speed-serve":                  # a child of speed-paired: commands on stdin, answers on stdout
+        serve_speed(Path(a.model_dir), a.plugin, [int(c) for c in a.cpus.split(",") if c], share=a.share)
         return
     if a.what == "check":
         r = run_check(Path(a.model_dir), a.runner, a.mode)
