@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -58,6 +58,25 @@ bench-gpu: peer-site
 
 bench-fwd-peers: peer-site
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS)
+
+# One call on the SM90 machine after a kernel change: the extension build, a hang guard (a barrier or expect-tx
+# mistake hangs a kernel; 150 s), `make test-gpu`, compute-sanitizer memcheck and racecheck on the smoke run of
+# SMOKE_LAUNCHES (and auto) at the default shape and at SMOKE_SHAPE (more 128x256 tiles than SMs), then the forward
+# benchmark with the peers and FWD_ARGS. Logs under $OUT; the round stops at the first failing step.
+SMOKE_SHAPE ?= 300,320,12160,12000
+gpu-kernel-round: peer-site
+	@mkdir -p $${OUT:-out}
+	$(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; ok = SM90Backend().available(); \
+		print(ok); raise SystemExit(0 if ok[0] else 4)" > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
+	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -q -x -p no:cacheprovider tests/test_sm90.py -k "launch_names or l1_repeat" \
+		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/guard.txt; exit $$rc
+	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
+	for tool in memcheck racecheck; do for shape in 70,208,1088,1000 $(SMOKE_SHAPE); do \
+		$(GPU_ENV) timeout 120 compute-sanitizer --tool $$tool $(PYTHON) -P bench/benchmark_linear_logp.py --smoke \
+			--smoke-launches "$(SMOKE_LAUNCHES)" --smoke-shape $$shape > $${OUT:-out}/sanitizer-$$tool-$$shape.txt 2>&1; \
+		rc=$$?; echo "$$tool $$shape rc=$$rc"; tail -2 $${OUT:-out}/sanitizer-$$tool-$$shape.txt; [ $$rc = 0 ] || exit $$rc; done; done
+	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS) > $${OUT:-out}/bench.log 2>&1; rc=$$?; \
+		grep -v "^liger\|^cce\|^quack" $${OUT:-out}/bench.log | tail -40; exit $$rc
 
 peer-site:
 	rm -rf $(PEER_SITE)

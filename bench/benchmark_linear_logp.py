@@ -45,9 +45,9 @@ def _peak_extra(fn):
     return peak
 
 
-def smoke(launches=None):
-    """Every entry and launch configuration (or those named) once on a small ragged shape (N=70, D=208, V=1000 of
-    1088 rows)."""
+def smoke(launches=None, shape=(70, 208, 1088, 1000)):
+    """Every entry and launch configuration (or those named) once on a small ragged shape (N, D, weight rows, V:
+    by default N=70, D=208, V=1000 of 1088 rows)."""
     from fused_logp.kernel.sm90 import LAUNCHES, SM90Backend
 
     be = SM90Backend()
@@ -55,7 +55,7 @@ def smoke(launches=None):
     if not ok:
         sys.exit(f"sm90 backend unavailable: {why}")
     g = torch.Generator(device="cuda").manual_seed(7)
-    n, d, rows, v = 70, 208, 1088, 1000
+    n, d, rows, v = shape
     h = torch.randn(n, d, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn(rows, d, generator=g, device="cuda") * 0.1).to(torch.bfloat16)
     b = torch.randn(rows, generator=g, device="cuda")
@@ -74,7 +74,7 @@ def smoke(launches=None):
                         temperature=t, return_logits=True)
     be.stats_from_logits(ref[2], tg, temperature=t, vocab_size=v)
     torch.cuda.synchronize()
-    print("smoke ok:", 1 + len(names), "launch configurations,", tuple(st["tile_max"].shape))
+    print("smoke ok:", 1 + len(names), "launch configurations,", (n, d, rows, v), tuple(st["tile_max"].shape))
 
 
 def main():
@@ -92,9 +92,13 @@ def main():
     ap.add_argument("--smoke", action="store_true",
                     help="one small call per launch configuration and entry, then exit (for compute-sanitizer / ncu)")
     ap.add_argument("--smoke-launches", default="", help="with --smoke: only these configurations (and auto)")
+    ap.add_argument("--smoke-shape", default="70,208,1088,1000",
+                    help="with --smoke: N,D,weight rows,V (e.g. 300,320,12160,12000: more 128x256 tiles than SMs, so "
+                         "a persistent CTA takes several)")
     args = ap.parse_args()
     if args.smoke:
-        return smoke([x for x in args.smoke_launches.split(",") if x] or None)
+        return smoke([x for x in args.smoke_launches.split(",") if x] or None,
+                     tuple(int(x) for x in args.smoke_shape.split(",")))
 
     from fused_logp.kernel.sm90 import SM90Backend
 
