@@ -903,8 +903,8 @@ def run_speed_paired(model_dir, out: Path, pairs: int, until: float, out_tokens:
     size, `pairs` pairs of timed generates, one engine at a time, the order alternating per pair (off-on, on-off,
     ...): the two engines run in the same minutes, so a drift of the host's speed falls on both. Each run is one
     serve_speed "run" (gc.collect(), run_speed's prompts and params) reporting its wall time, gc pause and the
-    pure-Python probe (_HostCounters.py_probe) before it. FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_STAGGER=1 starts the
-    "on" engine only once the "off" engine is built."""
+    pure-Python probe (_HostCounters.py_probe) before it. The "on" engine starts once the "off" engine is built
+    (FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_STAGGER=0: both at once)."""
     t0 = time.time()
     env_cpus = os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_CPUS", "")
     if env_cpus:
@@ -918,7 +918,9 @@ def run_speed_paired(model_dir, out: Path, pairs: int, until: float, out_tokens:
     per_run = 900 if DRY else 120                   # one timed generate (the CPU's engines are slower)
     peers = {}
     try:
-        stagger = os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_STAGGER") == "1"
+        # vLLM measures the GPU's free memory while an engine starts: by default the plugin's engine starts once
+        # plain vLLM's is built, so that neither start-up sees the other's allocations move (0: both at once)
+        stagger = os.environ.get("FUSED_LOGP_VLLM_BENCH_SPEED_PAIRED_STAGGER", "1") != "0"
         for kind in ("off", "on"):
             peers[kind] = _Peer(kind, model_dir, cpus, out / f"speed-paired-{kind}.log", share)
             print(f"speed-paired: started the {kind} engine's process {peers[kind].p.pid}", flush=True)
