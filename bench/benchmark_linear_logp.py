@@ -83,6 +83,9 @@ def main():
     ap.add_argument("--vocab", default="151936,76032")
     ap.add_argument("--d", type=int, default=4096)
     ap.add_argument("--rep", type=int, default=300, help="do_bench rep (ms)")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="every row's temperature for ours and cuBLAS + log_softmax (the peers run at 1: their APIs "
+                         "take none); != 1 runs the epilogue's division")
     ap.add_argument("--launch", default="auto", help="launch configuration of the 'ours' columns (sm90.LAUNCHES)")
     ap.add_argument("--sweep", default="",
                     help="extra launch configurations to time, e.g. cta-128x256,cta-128x256-fast-x3+mainloop "
@@ -117,7 +120,8 @@ def main():
         for n in [int(x) for x in args.n.split(",")]:
             hs = [(torch.randn(n, d, generator=g, device=dev)).to(torch.bfloat16) for _ in range(2)]
             tg = torch.randint(0, v, (n,), generator=g, device=dev)
-            temp = torch.ones(n, device=dev)
+            temp = torch.full((n,), args.temperature, device=dev)
+            ones = torch.ones(n, device=dev)
             it = [0]
 
             def nxt():
@@ -174,7 +178,8 @@ def main():
                     return pfn(nxt(), w, tg)
                 try:
                     h0 = nxt()
-                    ref = be.linear_logp(h0, w, tg, bias=None, temperature=temp, return_logits=False, vocab_size=v)[0]
+                    # the peers compute at temperature 1: their check is against ours at 1 too
+                    ref = be.linear_logp(h0, w, tg, bias=None, temperature=ones, return_logits=False, vocab_size=v)[0]
                     got = pfn(h0, w, tg)
                     if pinfo.get("output") == "sum":  # their sum of -logp against the sum of our logp
                         s = ref.double().sum()
@@ -202,7 +207,7 @@ def main():
                              if k.startswith("ours_") and k.endswith("_ms") and k not in ("ours_ms", "ours_logits_ms"))
             print(f"  V={v} N={n}: gemm {row['gemm_bf16_ms']:.3f} ms, ours {row['ours_ms']:.3f} ms "
                   f"({row['ratio_ours_vs_gemm']:.3f}x) {sweep}", flush=True)
-            del hs, tg, temp
+            del hs, tg, temp, ones
         del w
         torch.cuda.empty_cache()
 
@@ -213,7 +218,9 @@ def main():
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "backend": be.describe(),
-        "timing": "triton.testing.do_bench median (CUDA events), 2 rotating hidden sets, temperature 1, no bias",
+        "timing": "triton.testing.do_bench median (CUDA events), 2 rotating hidden sets, no bias",
+        "temperature": args.temperature,
+        "peers_temperature": 1.0,
         "peers_not_installed": peer_lib.not_installed(peers),
         "peers": {name: pinfo for name, (_, pinfo) in peers.items()},
         "rows": rows,
@@ -221,7 +228,8 @@ def main():
     hdr = (f"{'V':>7} {'N':>6} | {'GEMM bf16':>9} {'GEMM f32':>9} {'cuBLAS+LS':>9} | {'ours':>8} {'x GEMM':>6} "
            f"{'TFLOP/s':>7} {'+logits':>8} {'x GEMM':>6} {'x ours':>6} | {'mem ours':>9} {'mem LS':>9}")
     print()
-    print(f"{info['gpu']}, torch {info['torch']}, CUDA {info['cuda']}, {info['date']}; median ms")
+    print(f"{info['gpu']}, torch {info['torch']}, CUDA {info['cuda']}, {info['date']}; median ms; temperature "
+          f"{args.temperature:g} (the peers: 1)")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
