@@ -68,8 +68,8 @@ gpu-kernel-round: peer-site
 	@mkdir -p $${OUT:-out}
 	$(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; ok = SM90Backend().available(); \
 		print(ok); raise SystemExit(0 if ok[0] else 4)" > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
-	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -q -x -p no:cacheprovider tests/test_sm90.py -k "launch_names or l1_repeat" \
-		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/guard.txt; exit $$rc
+	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -v -x -p no:cacheprovider tests/test_sm90.py -k "launch_names or l1_repeat" \
+		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; grep -o "test_[a-z_0-9]*\[[^]]*\] [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/guard.txt | tail -12; exit $$rc
 	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
 	for tool in memcheck racecheck; do for shape in 70,208,1088,1000 $(SMOKE_SHAPE); do \
 		$(GPU_ENV) timeout 120 compute-sanitizer --tool $$tool $(PYTHON) -P bench/benchmark_linear_logp.py --smoke \
