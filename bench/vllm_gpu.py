@@ -356,6 +356,13 @@ class _GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
+def _proc_stat(path: str):
+    """-> (name, the fields after it) of a /proc/.../stat file: fields[11] + fields[12] are the user and system
+    ticks, fields[36] the CPU it last ran on."""
+    st = open(path).read()
+    return st[st.index("(") + 1: st.rindex(")")], st[st.rindex(")") + 2:].split()
+
+
 class _HostCounters:
     """What the host did during the timed runs (start() ... stop() around each; Linux /proc, zeros elsewhere): the
     machine's steal time (ticks of 1/100 s summed over vCPUs: time the hypervisor gave a vCPU to someone else) and
@@ -385,8 +392,7 @@ class _HostCounters:
 
     def _cpu(self):
         try:
-            st = open(f"/proc/self/task/{self.main}/stat").read()
-            self.cpus[int(st[st.rindex(")") + 2:].split()[36])] += 1
+            self.cpus[int(_proc_stat(f"/proc/self/task/{self.main}/stat")[1][36])] += 1
         except (OSError, ValueError, IndexError):
             pass
 
@@ -399,12 +405,11 @@ class _HostCounters:
             out["steal"] = v[7] if len(v) > 7 else 0
             for tid in os.listdir("/proc/self/task"):
                 try:
-                    st = open(f"/proc/self/task/{tid}/stat").read()
+                    name, fields = _proc_stat(f"/proc/self/task/{tid}/stat")
                     status = open(f"/proc/self/task/{tid}/status").read()
                 except OSError:
                     continue
-                fields = st[st.rindex(")") + 2:].split()
-                out["threads"][tid] = (st[st.index("(") + 1: st.rindex(")")], int(fields[11]) + int(fields[12]))
+                out["threads"][tid] = (name, int(fields[11]) + int(fields[12]))
                 for line in status.splitlines():
                     if line.startswith("nonvoluntary_ctxt_switches"):
                         out["nonvol"] += int(line.split()[1])
@@ -710,11 +715,8 @@ def run_speed_ab(model_dir, out_tokens: int = 64, pairs: int = 9) -> dict:
                     calls[mode] += op_calls() - before
                     assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * out_tokens
         set_mode("on")
-        med = {m: statistics.median(times[m]) for m in times}
-        net = {m: statistics.median(t - p for t, p in zip(times[m], pauses[m])) for m in times}
         res["batches"][str(bs)] = {
-            "tok_s_off": round(bs * out_tokens / med["off"], 1), "tok_s_on": round(bs * out_tokens / med["on"], 1),
-            "ratio": round(med["off"] / med["on"], 4), "ratio_without_gc_pauses": round(net["off"] / net["on"], 4),
+            **_on_off(times, pauses, bs * out_tokens),
             "times_s": {m: [round(x, 4) for x in times[m]] for m in times},
             "gc_pause_s": {m: [round(x, 4) for x in pauses[m]] for m in pauses},
             "py_probe_ms": _median_or_none(host.probe_ms), "op_calls": calls}
@@ -830,8 +832,7 @@ def serve_speed(model_dir, kind: str, cpus, out_tokens: int = 64, share: float =
 def _proc_ticks(pid: int):
     """CPU ticks (1/100 s, user + system, all threads) of process `pid` so far; None where /proc cannot tell."""
     try:
-        st = open(f"/proc/{pid}/stat").read()
-        f = st[st.rindex(")") + 2:].split()
+        f = _proc_stat(f"/proc/{pid}/stat")[1]
         return int(f[11]) + int(f[12])
     except (OSError, ValueError, IndexError):
         return None
@@ -960,14 +961,11 @@ def run_speed_paired(model_dir, out: Path, pairs: int, until: float, out_tokens:
             times = {k: [r["wall_s"] for r in runs[k]] for k in runs}
             pauses = {k: [r["gc_pause_s"] for r in runs[k]] for k in runs}
             probes = {k: [r["py_probe_ms"] for r in runs[k]] for k in runs}
-            med = {k: statistics.median(times[k]) for k in times}
-            net = {k: statistics.median(t - p for t, p in zip(times[k], pauses[k])) for k in times}
             per_pair = [off / on for off, on in zip(times["off"], times["on"])]
             normalised = [(off / po) / (on / pn) for off, on, po, pn in
                           zip(times["off"], times["on"], probes["off"], probes["on"]) if po > 0 and pn > 0]
             res["batches"][str(bs)] = {
-                "tok_s_off": round(toks / med["off"], 1), "tok_s_on": round(toks / med["on"], 1),
-                "ratio": round(med["off"] / med["on"], 4), "ratio_without_gc_pauses": round(net["off"] / net["on"], 4),
+                **_on_off(times, pauses, toks),
                 "ratio_per_pair": [round(x, 4) for x in per_pair],
                 "ratio_per_pair_median": round(statistics.median(per_pair), 4),
                 # each run's time divided by its engine's probe just before it, then the pair's ratio (median)
@@ -1241,12 +1239,8 @@ def _pool_speed(result, rounds: int) -> dict:
     out_tokens = result[names["on"][0]].get("out_tokens", 64)
     for b in runs["on"][0]:
         toks = int(b) * out_tokens                                                          # tokens per run
-        med = {k: statistics.median(t for x in runs[k] for t in x[b]["times_s"]) for k in runs}
-        net = {k: statistics.median(t - g for x in runs[k] for t, g in zip(x[b]["times_s"], x[b]["gc_pause_s"]))
-               for k in runs}
-        pooled[b] = {"tok_s_off": round(toks / med["off"], 1), "tok_s_on": round(toks / med["on"], 1),
-                     "ratio": round(med["off"] / med["on"], 4),
-                     "ratio_without_gc_pauses": round(net["off"] / net["on"], 4),
+        pooled[b] = {**_on_off({k: [t for x in runs[k] for t in x[b]["times_s"]] for k in runs},
+                               {k: [g for x in runs[k] for g in x[b]["gc_pause_s"]] for k in runs}, toks),
                      "ratio_per_round": [round(on[b]["tok_s"] / off[b]["tok_s"], 4)
                                          for off, on in zip(runs["off"], runs["on"])],
                      "runs_per_engine_kind": sum(len(x[b]["times_s"]) for x in runs["on"])}
@@ -1289,6 +1283,15 @@ def _pool_kinds(result, rounds: int, kinds) -> dict:
                     x["ratio_to_off_probe_normalised"] = round(
                         (off["median_s"] / off["py_probe_ms"]) / (x["median_s"] / x["py_probe_ms"]), 4)
     return out
+
+
+def _on_off(times: dict, pauses: dict, toks: int) -> dict:
+    """tok/s of the median run off and on, the ratio plugin / plain (median times off / on), and the same without
+    the garbage collector's pauses. times, pauses: {"off": [...], "on": [...]} seconds per run, in pairs."""
+    med = {m: statistics.median(times[m]) for m in ("off", "on")}
+    net = {m: statistics.median(t - p for t, p in zip(times[m], pauses[m])) for m in ("off", "on")}
+    return {"tok_s_off": round(toks / med["off"], 1), "tok_s_on": round(toks / med["on"], 1),
+            "ratio": round(med["off"] / med["on"], 4), "ratio_without_gc_pauses": round(net["off"] / net["on"], 4)}
 
 
 def _median_or_none(xs):
