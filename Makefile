@@ -48,7 +48,7 @@ test-gpu:
 # QuACK (the forward benchmark's third peer) is too large for build/wheels: its parts (`make peer-parts`) are sent
 # first and installed into /tmp/qsite/site-packages, which is added to that PYTHONPATH when its ready mark is there.
 # `make bench-fwd-peers`: the forward benchmark alone, with the same peers (a shorter call); FWD_ARGS are passed to it
-# (e.g. FWD_ARGS="--sweep cta-128x256-mc2").
+# (e.g. FWD_ARGS="--sweep cta-128x256+mainloop").
 bench-gpu: peer-site
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp_backward.py

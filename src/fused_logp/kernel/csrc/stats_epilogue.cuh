@@ -73,8 +73,9 @@ __device__ __forceinline__ float tree16(const float (&e)[16]) {
 }
 
 // One item: z[h][i] is column tile_col + 16q + i of row row + 8h; T and tcol are the two rows' item_rows. Every
-// thread of the warp calls it (the vote below). The exp: contract_exp_fast where every lane of the warp qualifies (all 64 columns real, no non-finite
-// lane, z' - m_t >= FAST_EXP_MIN), else contract_exp_nonpos on the real lanes; both give the contract's bits.
+// thread of the warp calls it (the vote below). The exp: contract_exp_fast where every lane of the warp qualifies
+// (all 64 columns real, no non-finite lane, z' - m_t >= FAST_EXP_MIN), else contract_exp_nonpos on the real lanes;
+// both give the contract's bits.
 __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2],
                                            const FusedParams& p, int row, int tile_col) {
   const int q = threadIdx.x % 4;
@@ -199,8 +200,8 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
 
 // The epilogue of a CTA's staged consumer tiles as items: NI = kConsumers * 4 * (WGN / 64) items, item k taken by
 // warp k % NW (warp index gw among the NW epilogue warps), the next item's values and its rows' temperatures and
-// targets loaded before this item's arithmetic (global loads: their latency falls under it). Consumer c's tile: rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte
-// st + c * WGN * 256 of the shared window.
+// targets loaded before this item's arithmetic (global loads: their latency falls under it). Consumer c's tile:
+// rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte st + c * WGN * 256 of the shared window.
 template <int WM, int WGN, int NW>
 __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParams& p, int row0, int col0, int gw) {
   constexpr int NV = WGN / kTile;
