@@ -194,20 +194,38 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 }
 
 // The launch configurations of the fused kernel, by name (kernel/sm90.py LAUNCHES, where "auto" is resolved by row
-// count): the CTA tile (rows x vocabulary columns). None changes a bit. launch_names() lists them for Python.
-std::vector<std::string> launch_names() { return {"cta-128x256", "cta-64x256", "cta-64x128"}; }
+// count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns). None changes a bit. One table
+// gives the names for Python (launch_names), the dispatch and the refusal.
+using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
+struct NamedLaunch {
+  const char* name;
+  Launcher run;
+};
+static const NamedLaunch kLaunches[] = {
+    {"cta-128x256", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
+       launch_cta<2, 256>(h, w, p, s);
+     }},
+    {"cta-64x256", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
+       launch_cta<1, 128>(h, w, p, s);
+     }},
+    {"cta-64x128", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
+       launch_cta<1, 64>(h, w, p, s);
+     }},
+};
+
+std::vector<std::string> launch_names() {
+  std::vector<std::string> names;
+  for (const NamedLaunch& l : kLaunches) names.emplace_back(l.name);
+  return names;
+}
 
 static void launch_named(const std::string& launch, const torch::Tensor& hidden, const torch::Tensor& weight,
                          const FusedParams& p, cudaStream_t stream) {
-  if (launch == "cta-128x256") {
-    launch_cta<2, 256>(hidden, weight, p, stream);
-  } else if (launch == "cta-64x256") {
-    launch_cta<1, 128>(hidden, weight, p, stream);
-  } else if (launch == "cta-64x128") {
-    launch_cta<1, 64>(hidden, weight, p, stream);
-  } else {
-    TORCH_CHECK(false, "sm90: launch must be one of cta-128x256, cta-64x256, cta-64x128; got '", launch, "'");
-  }
+  for (const NamedLaunch& l : kLaunches)
+    if (launch == l.name) return l.run(hidden, weight, p, stream);
+  std::string names;
+  for (const NamedLaunch& l : kLaunches) names += (names.empty() ? "" : ", ") + std::string(l.name);
+  TORCH_CHECK(false, "sm90: launch must be one of ", names, "; got '", launch, "'");
 }
 
 // Tile statistics of a weight (shard) whose row 0 is vocabulary id vocab_start; n_real real columns, with the launch
