@@ -5,7 +5,9 @@
 // into a ring of shared-memory stages, two consumer warpgroups issuing wgmma on each stage); the epilogue runs after
 // the mainloop from a staged copy of the accumulators in the ring (stats_epilogue.cuh). Schedules that lost on the
 // H200 and were deleted (bench/NOTES-sm90.md): a persistent ping-pong kernel whose epilogue ran beside the other
-// consumer's mainloop, and the producer warpgroup sharing the epilogue. Which tile computes a logit is a free axis.
+// consumer's mainloop, the producer warpgroup sharing the epilogue, 2-CTA clusters with weight multicast, this kernel
+// made persistent, and a persistent kernel with the epilogue on warps of its own beside the next tile's mainloop.
+// Which tile computes a logit is a free axis.
 #pragma once
 #include "dz_epilogue.cuh"
 #include "fused_params.cuh"

@@ -1,0 +1,65 @@
+"""Interleaved A/B of forward launch configurations on one GPU: per N, `--rounds` rounds; each round times every
+configuration (2 warm-up calls, then `--iters` calls between two CUDA events), the order reversed every other round,
+so that a drift of the machine falls on all of them. Prints and writes (OUT/ab.json) the per-configuration medians
+and every round's figure. Single runs of the forward benchmark differ by up to ~4% on the H200 machine; this is the
+comparison to use for differences of that size. Defaults: D=4096, V=151936, T=1, bf16 random inputs.
+Usage: PYTHONPATH=src python -P bench/ab_launches.py [--n 2048,8192] [--launches a,b,c] [--rounds 7] [--iters 10]"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from fused_logp.kernel.sm90 import SM90Backend
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", default="2048,8192")
+    ap.add_argument("--d", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--launches", default="cta-128x256")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    be = SM90Backend()
+    ok, why = be.available()
+    if not ok:
+        raise SystemExit(f"ab_launches: sm90 backend unavailable: {why}")
+    names = [x for x in args.launches.split(",") if x]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    res = {"d": args.d, "vocab": args.vocab, "rounds": args.rounds, "iters": args.iters, "n": {}}
+    for n in [int(x) for x in args.n.split(",")]:
+        h = torch.randn(n, args.d, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(args.vocab, args.d, device="cuda", generator=g) * 0.02).bfloat16()
+        t = torch.randint(0, args.vocab, (n,), device="cuda", generator=g)
+        temp = torch.ones(n, device="cuda")
+        times = {name: [] for name in names}
+
+        def call():
+            be.linear_logp(h, w, t, bias=None, temperature=temp, return_logits=False, vocab_size=args.vocab)
+
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                be.launch = name
+                for _ in range(2):
+                    call()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(args.iters):
+                    call()
+                e.record()
+                torch.cuda.synchronize()
+                times[name].append(s.elapsed_time(e) / args.iters)
+        res["n"][n] = {name: {"median_ms": round(statistics.median(v), 3), "all": [round(x, 3) for x in v]}
+                       for name, v in times.items()}
+        print(n, json.dumps(res["n"][n]), flush=True)
+    be.launch = "auto"
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
