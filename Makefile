@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -77,6 +77,29 @@ gpu-kernel-round: peer-site
 		rc=$$?; echo "$$tool $$shape rc=$$rc"; tail -2 $${OUT:-out}/sanitizer-$$tool-$$shape.txt; [ $$rc = 0 ] || exit $$rc; done; done
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS) > $${OUT:-out}/bench.log 2>&1; rc=$$?; \
 		grep -v "^liger\|^cce\|^quack" $${OUT:-out}/bench.log | tail -40; exit $$rc
+
+# Nsight Compute on the forward kernel (the SM90 machine runs Firecracker, where ncu reads the counters; clocks left
+# alone): one profiled call each of PROFILE_LAUNCH (default cta-128x256) at PROFILE_N rows (default 8192) with the
+# statistics, its mainloop alone, with the logits, and at T = 0.7 (bench/profile_forward.py). Per run: the details
+# page as text (speed of light, scheduler and warp-state statistics with the stall reasons, instruction mix, memory)
+# and the source page's per-instruction stall samples (SASS, the build has -lineinfo), under $OUT/ncu/.
+PROFILE_SECTIONS := --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
+	--section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters
+gpu-kernel-profile:
+	@mkdir -p $${OUT:-out}/ncu
+	$(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; print(SM90Backend().available())"
+	for run in "stats:" "mainloop:--mainloop-only" "logits:--return-logits" "t07:--temperature 0.7"; do \
+		name=$${run%%:*}; flags=$${run#*:}; \
+		$(GPU_ENV) timeout 240 ncu --clock-control none --kernel-name regex:fused_cta_kernel --launch-skip 2 \
+			--launch-count 1 $(PROFILE_SECTIONS) --export $${OUT:-out}/ncu/$$name --force-overwrite \
+			$(PYTHON) -P bench/profile_forward.py --n $(or $(PROFILE_N),8192) --launch $(or $(PROFILE_LAUNCH),cta-128x256) \
+			$$flags > $${OUT:-out}/ncu/$$name.log 2>&1; echo "ncu $$name rc $$?"; tail -2 $${OUT:-out}/ncu/$$name.log; \
+		ncu --import $${OUT:-out}/ncu/$$name.ncu-rep --page details > $${OUT:-out}/ncu/$$name-details.txt 2>&1; \
+		ncu --import $${OUT:-out}/ncu/$$name.ncu-rep --page source --csv --print-source sass \
+			> $${OUT:-out}/ncu/$$name-source.csv 2>&1; \
+		grep -i "duration\|issue slots\|warp cycles per issued\|no eligible" $${OUT:-out}/ncu/$$name-details.txt | head -8; \
+	done
+	cd $${OUT:-out} && tar -czf ncu.tgz ncu && rm -rf ncu
 
 peer-site:
 	rm -rf $(PEER_SITE)

@@ -1,0 +1,45 @@
+"""A forward call of the fused kernel to profile (Nsight Compute): `--warm` untimed calls, then `--calls` more, of one
+launch configuration at one shape; `--mainloop-only` runs the timing hook (the mainloop without statistics),
+`--return-logits` the rollout path, `--temperature` the division. Used by `make gpu-kernel-profile`, which profiles
+the last call. Usage: PYTHONPATH=src python -P bench/profile_forward.py [--n 8192] [--launch cta-128x256] ..."""
+import argparse
+
+import torch
+
+from fused_logp.kernel.sm90 import SM90Backend
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--d", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--launch", default="auto")
+    ap.add_argument("--mainloop-only", action="store_true")
+    ap.add_argument("--return-logits", action="store_true")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--warm", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=1)
+    args = ap.parse_args()
+    be = SM90Backend()
+    ok, why = be.available()
+    if not ok:
+        raise SystemExit(f"profile_forward: sm90 backend unavailable: {why}")
+    be.launch = args.launch
+    be.mainloop_only = args.mainloop_only
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(args.n, args.d, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(args.vocab, args.d, device="cuda", generator=g) * 0.02).bfloat16()
+    t = torch.randint(0, args.vocab, (args.n,), device="cuda", generator=g)
+    temp = torch.full((args.n,), args.temperature, device="cuda")
+    for _ in range(args.warm + args.calls):
+        be.linear_logp(h, w, t, bias=None, temperature=temp, return_logits=args.return_logits,
+                       vocab_size=args.vocab)
+    torch.cuda.synchronize()
+    print(f"profile_forward: {args.warm + args.calls} calls of {args.launch} at N={args.n}"
+          f"{' (mainloop only)' if args.mainloop_only else ''}{' with logits' if args.return_logits else ''}"
+          f" T={args.temperature}")
+
+
+if __name__ == "__main__":
+    main()
