@@ -79,7 +79,8 @@ gpu-kernel-round: peer-site
 		grep -v "^liger\|^cce\|^quack" $${OUT:-out}/bench.log | tail -40; exit $$rc
 
 # Nsight Compute on the forward kernel (the SM90 machine runs Firecracker, where ncu reads the counters; clocks left
-# alone): one profiled call each of PROFILE_LAUNCH (default cta-128x256) at PROFILE_N rows (default 8192) with the
+# alone): one profiled call each of PROFILE_LAUNCH (default cta-128x256; PROFILE_KERNEL, the kernel name regex, default
+# fused_cta_kernel) at PROFILE_N rows (default 8192) with the
 # statistics, its mainloop alone, with the logits, and at T = 0.7 (bench/profile_forward.py). Per run: the details
 # page as text (speed of light, scheduler and warp-state statistics with the stall reasons, instruction mix, memory)
 # and the source page's per-instruction stall samples (SASS, the build has -lineinfo), under $OUT/ncu/.
@@ -90,7 +91,7 @@ gpu-kernel-profile:
 	$(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; print(SM90Backend().available())"
 	for run in "stats:" "mainloop:--mainloop-only" "logits:--return-logits" "t07:--temperature 0.7"; do \
 		name=$${run%%:*}; flags=$${run#*:}; \
-		$(GPU_ENV) timeout 240 ncu --clock-control none --kernel-name regex:fused_cta_kernel --launch-skip 2 \
+		$(GPU_ENV) timeout 240 ncu --clock-control none --kernel-name regex:$(or $(PROFILE_KERNEL),fused_cta_kernel) --launch-skip 2 \
 			--launch-count 1 $(PROFILE_SECTIONS) --export $${OUT:-out}/ncu/$$name --force-overwrite \
 			$(PYTHON) -P bench/profile_forward.py --n $(or $(PROFILE_N),8192) --launch $(or $(PROFILE_LAUNCH),cta-128x256) \
 			$$flags > $${OUT:-out}/ncu/$$name.log 2>&1; echo "ncu $$name rc $$?"; tail -2 $${OUT:-out}/ncu/$$name.log; \
