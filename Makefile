@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -101,6 +101,26 @@ gpu-kernel-profile:
 		grep -i "duration\|issue slots\|warp cycles per issued\|no eligible" $${OUT:-out}/ncu/$$name-details.txt | head -8; \
 	done
 	cd $${OUT:-out} && tar -czf ncu.tgz ncu && rm -rf ncu
+
+# Power and SM clock while one workload repeats for POWER_SECONDS (default 6) at PROFILE_N rows (default 8192):
+# cuBLAS's bf16 GEMM, our mainloop alone, ours with the statistics, with the logits, at T = 0.7 (nvidia-smi samples
+# every 50 ms; bench/power_summary.py takes the median over the busy samples; `nvidia-smi -q -d PERFORMANCE` in the
+# middle of each run names the active clock-event reasons, e.g. the software power cap). Whether the forward is
+# bound by the power limit decides whether work beside the mainloop can be hidden at all.
+gpu-power:
+	@mkdir -p $${OUT:-out}/power
+	$(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; print(SM90Backend().available())"
+	for run in "gemm:--gemm" "mainloop:--mainloop-only" "stats:" "logits:--return-logits" "t07:--temperature 0.7"; do \
+		name=$${run%%:*}; flags=$${run#*:}; \
+		nvidia-smi --query-gpu=power.draw,power.limit,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader,nounits \
+			-lms 50 > $${OUT:-out}/power/$$name.csv 2>&1 & smi=$$!; \
+		( sleep 4; nvidia-smi -q -d PERFORMANCE,POWER,CLOCK > $${OUT:-out}/power/$$name-perf.txt 2>&1 ) & \
+		$(GPU_ENV) timeout 60 $(PYTHON) -P bench/profile_forward.py --n $(or $(PROFILE_N),8192) \
+			--launch $(or $(PROFILE_LAUNCH),cta-128x256) --seconds $(or $(POWER_SECONDS),6) $$flags; \
+		kill $$smi; wait; sleep 2; \
+	done
+	$(PYTHON) bench/power_summary.py $${OUT:-out}/power $${OUT:-out}/power/*.csv
+	grep -h -A12 "Clocks Event Reasons" $${OUT:-out}/power/stats-perf.txt | head -14
 
 peer-site:
 	rm -rf $(PEER_SITE)

@@ -1,8 +1,11 @@
 """A forward call of the fused kernel to profile (Nsight Compute): `--warm` untimed calls, then `--calls` more, of one
 launch configuration at one shape; `--mainloop-only` runs the timing hook (the mainloop without statistics),
-`--return-logits` the rollout path, `--temperature` the division. Used by `make gpu-kernel-profile`, which profiles
-the last call. Usage: PYTHONPATH=src python -P bench/profile_forward.py [--n 8192] [--launch cta-128x256] ..."""
+`--return-logits` the rollout path, `--temperature` the division, `--gemm` cuBLAS's bf16 GEMM of the same shape
+instead. `--seconds S` repeats the calls for S seconds (for power and clock sampling). Used by
+`make gpu-kernel-profile`, which profiles the last call, and `make gpu-power`.
+Usage: PYTHONPATH=src python -P bench/profile_forward.py [--n 8192] [--launch cta-128x256] ..."""
 import argparse
+import time
 
 import torch
 
@@ -20,6 +23,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--calls", type=int, default=1)
+    ap.add_argument("--gemm", action="store_true")
+    ap.add_argument("--seconds", type=float, default=0.0)
     args = ap.parse_args()
     be = SM90Backend()
     ok, why = be.available()
@@ -32,11 +37,23 @@ def main():
     w = (torch.randn(args.vocab, args.d, device="cuda", generator=g) * 0.02).bfloat16()
     t = torch.randint(0, args.vocab, (args.n,), device="cuda", generator=g)
     temp = torch.full((args.n,), args.temperature, device="cuda")
-    for _ in range(args.warm + args.calls):
-        be.linear_logp(h, w, t, bias=None, temperature=temp, return_logits=args.return_logits,
-                       vocab_size=args.vocab)
+    def call():
+        if args.gemm:
+            torch.matmul(h, w.t())
+        else:
+            be.linear_logp(h, w, t, bias=None, temperature=temp, return_logits=args.return_logits,
+                           vocab_size=args.vocab)
+
+    calls = 0
+    t0 = time.time()
+    while calls < args.warm + args.calls or time.time() - t0 < args.seconds:
+        call()
+        calls += 1
+        if args.seconds and calls % 8 == 0:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
-    print(f"profile_forward: {args.warm + args.calls} calls of {args.launch} at N={args.n}"
+    what = "cuBLAS GEMM" if args.gemm else args.launch
+    print(f"profile_forward: {calls} calls of {what} at N={args.n} in {time.time() - t0:.1f} s"
           f"{' (mainloop only)' if args.mainloop_only else ''}{' with logits' if args.return_logits else ''}"
           f" T={args.temperature}")
 
