@@ -64,10 +64,12 @@ bench-fwd-peers: peer-site
 # SMOKE_LAUNCHES (and auto) at the default shape and at SMOKE_SHAPE (more 128x256 tiles than SMs), then the forward
 # benchmark with the peers and FWD_ARGS. Logs under $OUT; the round stops at the first failing step.
 SMOKE_SHAPE ?= 300,320,12160,12000
+# the extension built (or loaded) once; exit 4 when the backend is unavailable
+SM90_BUILD = $(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; ok = SM90Backend().available(); \
+	print(ok); raise SystemExit(0 if ok[0] else 4)"
 gpu-kernel-round: peer-site
 	@mkdir -p $${OUT:-out}
-	$(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; ok = SM90Backend().available(); \
-		print(ok); raise SystemExit(0 if ok[0] else 4)" > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
+	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
 	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -v -x -p no:cacheprovider tests/test_sm90.py -k "launch_names or l1_repeat" \
 		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; grep -o "test_[a-z_0-9]*\[[^]]*\] [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/guard.txt | tail -12; exit $$rc
 	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
@@ -80,15 +82,15 @@ gpu-kernel-round: peer-site
 
 # Nsight Compute on the forward kernel (the SM90 machine runs Firecracker, where ncu reads the counters; clocks left
 # alone): one profiled call each of PROFILE_LAUNCH (default cta-128x256; PROFILE_KERNEL, the kernel name regex, default
-# fused_cta_kernel) at PROFILE_N rows (default 8192) with the
-# statistics, its mainloop alone, with the logits, and at T = 0.7 (bench/profile_forward.py). Per run: the details
-# page as text (speed of light, scheduler and warp-state statistics with the stall reasons, instruction mix, memory)
-# and the source page's per-instruction stall samples (SASS, the build has -lineinfo), under $OUT/ncu/.
+# fused_cta_kernel) at PROFILE_N rows (default 8192) with the statistics, its mainloop alone, with the logits, and at
+# T = 0.7 (bench/profile_forward.py). Per run: the details page as text (speed of light, scheduler and warp-state
+# statistics with the stall reasons, instruction mix, memory) and the source page's per-instruction stall samples
+# (SASS, the build has -lineinfo), under $OUT/ncu/.
 PROFILE_SECTIONS := --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
 	--section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters
 gpu-kernel-profile:
 	@mkdir -p $${OUT:-out}/ncu
-	$(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; print(SM90Backend().available())"
+	$(SM90_BUILD)
 	for run in "stats:" "mainloop:--mainloop-only" "logits:--return-logits" "t07:--temperature 0.7"; do \
 		name=$${run%%:*}; flags=$${run#*:}; \
 		$(GPU_ENV) timeout 240 ncu --clock-control none --kernel-name regex:$(or $(PROFILE_KERNEL),fused_cta_kernel) --launch-skip 2 \
@@ -109,7 +111,7 @@ gpu-kernel-profile:
 # bound by the power limit decides whether work beside the mainloop can be hidden at all.
 gpu-power:
 	@mkdir -p $${OUT:-out}/power
-	$(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; print(SM90Backend().available())"
+	$(SM90_BUILD)
 	for run in "gemm:--gemm" "mainloop:--mainloop-only" "stats:" "logits:--return-logits" "t07:--temperature 0.7"; do \
 		name=$${run%%:*}; flags=$${run#*:}; \
 		nvidia-smi --query-gpu=power.draw,power.limit,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader,nounits \

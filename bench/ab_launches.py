@@ -8,10 +8,12 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
 
-from fused_logp.kernel.sm90 import SM90Backend
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/profile_forward.py (scripts run with -P)
+from profile_forward import backend, forward_inputs  # noqa: E402
 
 
 def main():
@@ -24,18 +26,11 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    be = SM90Backend()
-    ok, why = be.available()
-    if not ok:
-        raise SystemExit(f"ab_launches: sm90 backend unavailable: {why}")
+    be = backend("ab_launches")
     names = [x for x in args.launches.split(",") if x]
-    g = torch.Generator(device="cuda").manual_seed(1)
     res = {"d": args.d, "vocab": args.vocab, "rounds": args.rounds, "iters": args.iters, "n": {}}
     for n in [int(x) for x in args.n.split(",")]:
-        h = torch.randn(n, args.d, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(args.vocab, args.d, device="cuda", generator=g) * 0.02).bfloat16()
-        t = torch.randint(0, args.vocab, (n,), device="cuda", generator=g)
-        temp = torch.ones(n, device="cuda")
+        h, w, t, temp = forward_inputs(n, args.d, args.vocab)
         times = {name: [] for name in names}
 
         def call():

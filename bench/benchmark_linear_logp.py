@@ -45,7 +45,10 @@ def _peak_extra(fn):
     return peak
 
 
-def smoke(launches=None, shape=(70, 208, 1088, 1000)):
+SMOKE_SHAPE = (70, 208, 1088, 1000)   # N, D, weight rows, V of --smoke
+
+
+def smoke(launches=None, shape=SMOKE_SHAPE):
     """Every entry and launch configuration (or those named) once on a small ragged shape (N, D, weight rows, V:
     by default N=70, D=208, V=1000 of 1088 rows)."""
     from fused_logp.kernel.sm90 import LAUNCHES, SM90Backend
@@ -95,7 +98,7 @@ def main():
     ap.add_argument("--smoke", action="store_true",
                     help="one small call per launch configuration and entry, then exit (for compute-sanitizer / ncu)")
     ap.add_argument("--smoke-launches", default="", help="with --smoke: only these configurations (and auto)")
-    ap.add_argument("--smoke-shape", default="70,208,1088,1000",
+    ap.add_argument("--smoke-shape", default=",".join(map(str, SMOKE_SHAPE)),
                     help="with --smoke: N,D,weight rows,V (e.g. 300,320,12160,12000: more 128x256 tiles than SMs, so "
                          "a persistent CTA takes several)")
     args = ap.parse_args()

@@ -12,6 +12,24 @@ import torch
 from fused_logp.kernel.sm90 import SM90Backend
 
 
+def backend(who: str) -> SM90Backend:
+    """The SM90 backend, or exit naming why it is unavailable."""
+    be = SM90Backend()
+    ok, why = be.available()
+    if not ok:
+        raise SystemExit(f"{who}: sm90 backend unavailable: {why}")
+    return be
+
+
+def forward_inputs(n: int, d: int, vocab: int, temperature: float = 1.0, seed: int = 1):
+    """hidden [n, d] and weight [vocab, d] bf16, targets [n], temperatures [n], random on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(vocab, d, device="cuda", generator=g) * 0.02).bfloat16()
+    t = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    return h, w, t, torch.full((n,), temperature, device="cuda")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8192)
@@ -26,17 +44,11 @@ def main():
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--seconds", type=float, default=0.0)
     args = ap.parse_args()
-    be = SM90Backend()
-    ok, why = be.available()
-    if not ok:
-        raise SystemExit(f"profile_forward: sm90 backend unavailable: {why}")
+    be = backend("profile_forward")
     be.launch = args.launch
     be.mainloop_only = args.mainloop_only
-    g = torch.Generator(device="cuda").manual_seed(1)
-    h = torch.randn(args.n, args.d, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(args.vocab, args.d, device="cuda", generator=g) * 0.02).bfloat16()
-    t = torch.randint(0, args.vocab, (args.n,), device="cuda", generator=g)
-    temp = torch.full((args.n,), args.temperature, device="cuda")
+    h, w, t, temp = forward_inputs(args.n, args.d, args.vocab, args.temperature)
+
     def call():
         if args.gemm:
             torch.matmul(h, w.t())

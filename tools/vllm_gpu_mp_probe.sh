@@ -3,8 +3,9 @@
 # off and on (the plugin loaded through its entry point) with vLLM's default start method (fork) and with
 # VLLM_WORKER_MULTIPROC_METHOD=spawn, and plugin off with fork and no stack-dump site at all ("off-fork-bare"). Each
 # start gets LIMIT seconds; then every process of it dumps its Python stacks (SIGUSR1 to the process group;
-# faulthandler armed in every process by tools/vllm_fh_site/sitecustomize.py) and is killed. vLLM logs at DEBUG. Usage: tools/vllm_gpu_mp_probe.sh OUTDIR [LIMIT_S [LIBRARY_SRC]]
-# (needs /tmp/vsite; LIBRARY_SRC defaults to this checkout's src/)
+# faulthandler armed in every process by tools/vllm_fh_site/sitecustomize.py) and is killed. vLLM logs at DEBUG.
+# Usage: tools/vllm_gpu_mp_probe.sh OUTDIR [LIMIT_S [LIBRARY_SRC]] (needs /tmp/vsite; LIBRARY_SRC defaults to this
+# checkout's src/)
 set -u
 out=${1:?usage: OUTDIR [LIMIT_S [LIBRARY_SRC]]}; limit=${2:-120}
 root=$(cd "$(dirname "$0")/.." && pwd); lib=${3:-$root/src}
