@@ -38,6 +38,16 @@ def gen(request):
     return g
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report names the seed its `gen` drew (rerun: torch.Generator().manual_seed(seed))."""
+    outcome = yield
+    report = outcome.get_result()
+    seeds = [v for k, v in item.user_properties if k == "seed"]
+    if report.failed and seeds:
+        report.sections.append(("seed", f"gen seed: {seeds[0]}"))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not (torch.cuda.is_available()

@@ -112,8 +112,14 @@ def test_tp_shards_assemble_to_unsharded_gradients(gen):
     bp = torch.cat([bd, torch.randn(20, generator=gen)])
     parts = [logp_grads(hd, wp[a:c], bp[a:c], t, temp, r.lse, g_logp, g_lse, vocab_start=a,
                         n_real=max(0, min(c, 300) - a)) for a, c in zip(bounds, bounds[1:])]
+    # Not bytes: each shard computes its logits with its own matrix-vector products, whose summation order the
+    # CPU BLAS may pick by shape and alignment, so a logit can differ by an ulp and exp(z / T - lse) by a few
+    # (relative), and a sum over rows can cancel. So the bound is relative to the gradient's largest entry.
+    def close(a, b):
+        return bool(((a - b).abs() <= 1e-5 * b.abs() + 1e-6 * b.abs().max()).all())
+
     dh = sum(p[0] for p in parts)
-    assert torch.allclose(dh, full[0], rtol=1e-5, atol=1e-6)
-    assert torch.allclose(torch.cat([p[1] for p in parts])[:300], full[1], rtol=1e-6, atol=1e-7)
+    assert close(dh, full[0])
+    assert close(torch.cat([p[1] for p in parts])[:300], full[1])
     assert (torch.cat([p[1] for p in parts])[300:] == 0).all()
-    assert torch.allclose(torch.cat([p[2] for p in parts])[:300], full[2], rtol=1e-6, atol=1e-7)
+    assert close(torch.cat([p[2] for p in parts])[:300], full[2])
