@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power check-division clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -33,6 +33,14 @@ test: $(STAMP) cxx-check
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -ra -m slow
+
+# The lean item path's division by a row's temperature (stats_epilogue.cuh div_rn_rowrcp) against the IEEE quotient
+# on this CPU: every z of its guarded range for each temperature of tools/division_t_values.py (590 values, ~3.4e9 z
+# each; about 2 s a value on 2 cores with AVX-512). `make test` runs a sampled form of it.
+check-division: cxx-check
+	@mkdir -p build
+	$${CXX:-c++} -O2 -march=native -std=c++17 -ffp-contract=off -pthread tools/check_row_division.cpp -o build/check_row_division
+	build/check_row_division exhaustive $$($(PYTHON) tools/division_t_values.py)
 
 # On an SM90 machine (H100/H200) with torch and nvcc but no package index: the checkout runs as it is (src/ on
 # PYTHONPATH, nothing installed); the extension builds on first use.

@@ -3,7 +3,8 @@ configuration (2 warm-up calls, then `--iters` calls between two CUDA events), t
 so that a drift of the machine falls on all of them. Prints and writes (OUT/ab.json) the per-configuration medians
 and every round's figure. Single runs of the forward benchmark differ by up to ~4% on the H200 machine; this is the
 comparison to use for differences of that size. Defaults: D=4096, V=151936, T=1, bf16 random inputs.
-Usage: PYTHONPATH=src python -P bench/ab_launches.py [--n 2048,8192] [--launches a,b,c] [--rounds 7] [--iters 10]"""
+Usage: PYTHONPATH=src python -P bench/ab_launches.py [--n 2048,8192] [--launches a,b,c] [--rounds 7] [--iters 10]
+       [--temperature 0.7] [--tag t07]   (writes OUT/ab.json, or OUT/ab-TAG.json)"""
 import argparse
 import json
 import os
@@ -24,13 +25,16 @@ def main():
     ap.add_argument("--launches", default="cta-128x256")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     be = backend("ab_launches")
     names = [x for x in args.launches.split(",") if x]
-    res = {"d": args.d, "vocab": args.vocab, "rounds": args.rounds, "iters": args.iters, "n": {}}
+    res = {"d": args.d, "vocab": args.vocab, "temperature": args.temperature, "rounds": args.rounds,
+           "iters": args.iters, "n": {}}
     for n in [int(x) for x in args.n.split(",")]:
-        h, w, t, temp = forward_inputs(n, args.d, args.vocab)
+        h, w, t, temp = forward_inputs(n, args.d, args.vocab, args.temperature)
         times = {name: [] for name in names}
 
         def call():
@@ -52,7 +56,7 @@ def main():
                        for name, v in times.items()}
         print(n, json.dumps(res["n"][n]), flush=True)
     be.launch = "auto"
-    with open(os.path.join(args.out, "ab.json"), "w") as f:
+    with open(os.path.join(args.out, f"ab-{args.tag}.json" if args.tag else "ab.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

@@ -17,7 +17,7 @@ from helpers import bits_equal
 pytestmark = pytest.mark.gpu
 
 SENTINEL = 0x7FBADBAD          # a NaN payload no arithmetic produces
-VARIANTS = ("cta-128x256", "cta-64x256", "cta-64x128")   # sm90.LAUNCHES, besides "auto"
+VARIANTS = ("cta-128x256", "cta-128x256-lean", "cta-64x256", "cta-64x128")   # sm90.LAUNCHES, besides "auto"
 M_LIST = list(range(1, 18)) + [31, 63, 64, 65, 127, 128, 129, 255, 257, 1000, 4096]
 
 
@@ -134,8 +134,54 @@ def test_device_exp_fast_matches_cpu(be, gen):
     edge = torch.arange(hi - (1 << 21), hi + 1, dtype=torch.int64)
     x = torch.cat([bits, edge]).to(torch.uint32).view(torch.float32)
     x = torch.cat([x, torch.tensor([0.0, -0.0, -87.0, -1e-45, -1.0, -0.5])])
-    got = be.device_exp_fast(x.cuda()).cpu()
-    assert beq(got, torch.from_numpy(contract_exp(x.numpy())))
+    want = torch.from_numpy(contract_exp(x.numpy()))
+    assert beq(be.device_exp_fast(x.cuda()).cpu(), want)
+    assert beq(be.device_exp_fast(x.cuda(), fused_hi=True).cpu(), want)      # the lean item path's form
+
+
+def test_device_row_reciprocal_division_is_ieee(be, gen):
+    """The lean item path's division from a row's reciprocal equals __fdiv_rn (the IEEE quotient) bit for bit on its
+    guarded domain: T in [2^-20, 2^20], 2^-100 <= |z| <= 2^100 (random bit patterns of both, the ends, the usual
+    temperatures)."""
+    m = 1 << 22
+
+    def draw(elo, ehi, signed):
+        e = torch.randint(127 + elo, 127 + ehi + 1, (m,), generator=gen, dtype=torch.int64)
+        b = (e << 23) | torch.randint(0, 1 << 23, (m,), generator=gen, dtype=torch.int64)
+        if signed:
+            b = b | (torch.randint(0, 2, (m,), generator=gen, dtype=torch.int64) << 31)
+        return b.to(torch.uint32).view(torch.float32)
+
+    z, t = draw(-100, 100, True), draw(-20, 19, False)
+    ends_t = torch.tensor([2.0 ** -20, 2.0 ** 20, 0.7, 0.3, 1.7, 2.0, np.nextafter(np.float32(2), np.float32(0))],
+                          dtype=torch.float32)
+    ends_z = torch.tensor([2.0 ** -100, 2.0 ** 100, 1.0, -3.0, 0.1, 87.5], dtype=torch.float32)
+    z = torch.cat([z, ends_z.repeat(len(ends_t))])
+    t = torch.cat([t, ends_t.repeat_interleave(len(ends_z))])
+    q, q_ref = be.device_div_rowrcp(z.cuda(), t.cuda())
+    assert beq(q, q_ref)
+    assert beq(q_ref.cpu(), z / t)                                     # and the device quotient is the CPU's
+
+
+def test_lean_item_path_on_its_guards_edges(be, oracle, cgen):
+    """cta-128x256-lean takes __fdiv_rn wherever its division guard fails: rows of logits above 2^100 or below
+    2^-100 in magnitude, exact zeros, temperatures outside [2^-20, 2^20]; its bytes equal cta-128x256's and the
+    oracle's."""
+    n, d, v = 24, 256, 1000
+    h, w, t, b = make_inputs(cgen, n, d, v, scale_w=0.5)
+    scale = torch.ones(n, 1, device="cuda")
+    scale[0:4] = 1e31                     # logits ~1e32 > 2^100
+    scale[4:8] = 1e-33                    # logits ~1e-32 < 2^-100
+    scale[8:10] = 0.0                     # exact zeros
+    h = (h.float() * scale).to(torch.bfloat16)
+    t = torch.rand(n, generator=cgen, device="cuda") + 0.5
+    t[1::4] = torch.tensor([1e-7, 1e7, 2.0 ** -20, 2.0 ** 20, 0.7, 1.0], device="cuda")
+    tg = targets_for(cgen, n, v)
+    base = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256")
+    lean = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256-lean")
+    for a, c in zip(base, lean):
+        assert beq(a, c)
+    _oracle_compare(be, oracle, h, w, tg, t, None, v, variants=("cta-128x256-lean",))
 
 
 @pytest.mark.parametrize("variant", ("auto",) + VARIANTS)
@@ -360,7 +406,8 @@ def test_launch_names_are_the_extensions(be, cgen):
     h, w, t, _ = make_inputs(cgen, 3, 64, 128)
     nt = 2
     out = [torch.empty(3, nt, device="cuda"), torch.empty(3, nt, device="cuda"), torch.empty(3, device="cuda")]
-    with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-64x256, cta-64x128; got 'cta-96x256'"):
+    with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-128x256-lean, cta-64x256, "
+                                           "cta-64x128; got 'cta-96x256'"):
         ext.fused_stats(h, w, targets_for(cgen, 3, 128), t, None, 0, 128, out[0], out[1], out[2], None,
                         "cta-96x256", False)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -55,11 +56,22 @@ def test_sm90_module_constant_order_matches_extension_source():
     assert [h[n] for n in names] == expected_constants()
 
 
+# The fused multiply-adds the kernels may use, each giving the bits of the separately rounded form it replaces:
+# exp_reduce's exact-product step (FUSED_HI) and the lean item path's division from a row's reciprocal.
+FMA_USES = {"contract_math.cuh": 1, "stats_epilogue.cuh": 4}
+
+
 def test_no_fast_math_or_libm_in_kernel_sources():
     for f in CSRC.glob("*.cu*"):
         text = f.read_text()
-        for bad in ("__expf", "__logf", "expf(", "logf(", "__fmaf", "fmaf(", "use_fast_math"):
+        for bad in ("__expf", "__logf", "expf(", "logf(", "use_fast_math"):
             assert bad not in text, f"{f.name} uses {bad}"
+        assert text.count("fmaf") == text.count("__fmaf_rn(") == FMA_USES.get(f.name, 0), f.name
+    exp = (CSRC / "contract_math.cuh").read_text()
+    assert "FUSED_HI ? __fmaf_rn(-k, bits(EXP_LN2_HI), xc) :" in exp
+    div = (CSRC / "stats_epilogue.cuh").read_text()
+    body = re.search(r"float div_rn_rowrcp\(float z, float T, float y\) \{(.*?)\n\}", div, re.S).group(1)
+    assert body.count("__fmaf_rn(") == 4
     # The backward's logit-gradient epilogue (not contract-bearing) is the one user of the hardware ex2.approx:
     # defined once, called once, and only under the DZ kernels' compile-time branch.
     hits = {f.name: f.read_text().count("\"ex2.approx") for f in CSRC.glob("*.cu*")}
@@ -136,3 +148,32 @@ def test_full_k_mainloop_has_no_injected_wgmma_waits(ptxas_reports):
             if any(code in line for code in ("C7508", "C7510", "C7515", "C7519", "C7520")):
                 first_bool = re.search(r"Lb([01])E", line)
                 assert first_bool is None or first_bool.group(1) == "0", f"{src}: {line}"
+
+
+def test_fused_exp_reduction_product_is_exact():
+    """exp_reduce<true> (contract_math.cuh) computes xc - k LN2_HI as one fused multiply-add: the bits of the
+    contract's separate multiply and subtract wherever k LN2_HI is exact in binary32, which holds for every k the
+    clamped argument [EXP_X_MIN, EXP_X_MAX] gives (k = round(xc LOG2E) in [-150, 128]) and beyond."""
+    import numpy as np
+    hi = np.array([C.EXP_LN2_HI], dtype=np.uint32).view(np.float32)[0]
+    xs = np.array([C.EXP_X_MIN, C.EXP_X_MAX], dtype=np.uint32).view(np.float32)
+    log2e = np.array([C.EXP_LOG2E], dtype=np.uint32).view(np.float32)[0]
+    kmin, kmax = (int(np.rint(np.float32(x) * log2e)) for x in xs)
+    assert kmin >= -151 and kmax <= 129
+    k = np.arange(-256, 257, dtype=np.float32)
+    assert np.array_equal((k * hi).astype(np.float64), k.astype(np.float64) * np.float64(hi))
+
+
+def test_row_reciprocal_division_sampled_on_the_cpu(tmp_path):
+    """tools/check_row_division.cpp: the lean item path's five operations on y = RN(1 / T) equal the IEEE quotient
+    on 10^7 random (z, T) pairs of the guarded domain and its ends (the exhaustive run over z for 590 T values is
+    `make check-division`; bench/results/ holds its output)."""
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = Path(__file__).resolve().parents[1] / "tools" / "check_row_division.cpp"
+    exe = tmp_path / "check_row_division"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-pthread", str(src), "-o", str(exe)], check=True)
+    r = subprocess.run([str(exe), "sample", "10000000", str(secrets.randbits(32) | 1)], stdout=subprocess.PIPE,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and " 0 mismatches" in r.stdout, r.stdout

@@ -11,6 +11,22 @@ namespace sm90 {
 // vocabulary tile vt), 16 rows x 64 columns of c's staged tile, taken by any warp once all staging is written.
 // ---------------------------------------------------------------------------------------------------------
 
+// z / T rounded to nearest even (the bits of __fdiv_rn(z, T)) from y = RN(1 / T), computed once a row: q0 = RN(z y)
+// is within 1.5 ulp of z / T, one correction q1 = RN(q0 + RN(z - T q0) y) is within 1 ulp (faithful), and the
+// second is Markstein's step: with y within half an ulp of 1 / T and q1 faithful, r1 = z - T q1 is exact and
+// RN(q1 + r1 y) is the correctly rounded quotient. The guard keeps every step normal: T in [2^-20, 2^20] and
+// 2^-100 <= |z| <= 2^100 (zeros, non-finite and extreme values take __fdiv_rn). tools/check_row_division.cpp
+// checks these five operations against the IEEE quotient on the CPU, exhaustively in z for 590 T values.
+constexpr float kRowRcpTMin = 0x1p-20f, kRowRcpTMax = 0x1p20f;
+constexpr float kRowRcpZMin = 0x1p-100f, kRowRcpZMax = 0x1p100f;
+__device__ __forceinline__ float div_rn_rowrcp(float z, float T, float y) {
+  const float q0 = __fmul_rn(z, y);
+  const float r0 = __fmaf_rn(-T, q0, z);
+  const float q1 = __fmaf_rn(r0, y, q0);
+  const float r1 = __fmaf_rn(-T, q1, z);
+  return __fmaf_rn(r1, y, q1);
+}
+
 // Per-row inputs of an item's two rows (row, row + 8).
 __device__ __forceinline__ void item_rows(const FusedParams& p, int row, float (&T)[2], long long (&tcol)[2]) {
 #pragma unroll
@@ -75,7 +91,10 @@ __device__ __forceinline__ float tree16(const float (&e)[16]) {
 // One item: z[h][i] is column tile_col + 16q + i of row row + 8h; T and tcol are the two rows' item_rows. Every
 // thread of the warp calls it (the vote below). The exp: contract_exp_fast where every lane of the warp qualifies
 // (all 64 columns real, no non-finite lane, z' - m_t >= FAST_EXP_MIN), else contract_exp_nonpos on the real lanes;
-// both give the contract's bits.
+// both give the contract's bits. LEAN (the same bits in fewer instructions): the division by a row's T != 1 from
+// its reciprocal (div_rn_rowrcp) where the row's real lanes pass its guard, and the fast exp's reduction with one
+// fused multiply-add (exp_reduce<true>).
+template <bool LEAN>
 __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2],
                                            const FusedParams& p, int row, int tile_col) {
   const int q = threadIdx.x % 4;
@@ -122,6 +141,23 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (T[h] != 1.0f) {                 // z / 1 == z exactly: the division is skipped only where it is exact
+      if constexpr (LEAN) {
+        // the guard over the row's real lanes (NaN fails it: max_nan)
+        float amin = __int_as_float(0x7F800000), amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          if (full || c0 + i < p.n_real) {
+            amin = fminf(amin, fabsf(z[h][i]));
+            amax = max_nan(amax, fabsf(z[h][i]));
+          }
+        }
+        if (T[h] >= kRowRcpTMin && T[h] <= kRowRcpTMax && amin >= kRowRcpZMin && amax <= kRowRcpZMax) {
+          const float y = __frcp_rn(T[h]);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) z[h][i] = div_rn_rowrcp(z[h][i], T[h], y);
+          continue;
+        }
+      }
 #pragma unroll
       for (int i = 0; i < 16; ++i) z[h][i] = __fdiv_rn(z[h][i], T[h]);
     }
@@ -164,7 +200,7 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
     for (int h = 0; h < 2; ++h) {
       float e[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) e[i] = contract::contract_exp_fast(__fsub_rn(z[h][i], m[h]));
+      for (int i = 0; i < 16; ++i) e[i] = contract::contract_exp_fast<LEAN>(__fsub_rn(z[h][i], m[h]));
       s[h] = tree16(e);
     }
   } else {
@@ -202,7 +238,7 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
 // warp k % NW (warp index gw among the NW epilogue warps), the next item's values and its rows' temperatures and
 // targets loaded before this item's arithmetic (global loads: their latency falls under it). Consumer c's tile:
 // rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte st + c * WGN * 256 of the shared window.
-template <int WM, int WGN, int NW>
+template <int WM, int WGN, int NW, bool LEAN>
 __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParams& p, int row0, int col0, int gw) {
   constexpr int NV = WGN / kTile;
   constexpr int NI = kConsumers * 4 * NV;
@@ -240,7 +276,7 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
     const int rbase = row0 + 64 * (c % WM) + 16 * w;
     const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
     if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
-      item_stats(cur, T, tcol, p, rbase + lane / 4, tile_col);
+      item_stats<LEAN>(cur, T, tcol, p, rbase + lane / 4, tile_col);
 #pragma unroll
     for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
 #pragma unroll

@@ -1,0 +1,114 @@
+"""The forward kernels' SASS on the CPU: compile a launch configuration's translation unit for sm_90a, disassemble
+it and count the instructions of its FULL_K forward kernel by opcode (statically, whole kernel), and of the
+epilogue's item loop (the instructions between the loop's first and last line of stats_epilogue.cuh, by -lineinfo).
+
+    python -P bench/sass_epilogue.py [--tu sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu] [--out DIR]
+
+Needs nvcc, and nvdisasm from the CUDA toolkit or from the `nvidia-cuda-nvdisasm` wheel (NVDISASM=path). Static
+counts are a prediction aid, not a timing: a loop body runs once an item, the rest once a tile or once a kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "src" / "fused_logp" / "kernel" / "csrc"
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def _includes(tmp: Path) -> list[str]:
+    from torch.utils import cpp_extension
+    incs = list(cpp_extension.include_paths())
+    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").exists() for p in incs):
+        shim = tmp / "shim"
+        (shim / "c10/cuda/impl").mkdir(parents=True, exist_ok=True)
+        (shim / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#pragma once\n")
+        incs = [str(shim)] + incs
+    if Path("/usr/local/cuda/include").exists():
+        incs.append("/usr/local/cuda/include")
+    incs.append(sysconfig.get_paths()["include"])
+    return incs
+
+
+def _nvdisasm() -> str:
+    for c in (os.environ.get("NVDISASM"), shutil.which("nvdisasm"), "/usr/local/cuda/bin/nvdisasm"):
+        if c and Path(c).exists():
+            return c
+    sys.exit("nvdisasm not found: set NVDISASM (e.g. from the nvidia-cuda-nvdisasm wheel's nvidia/cu13/bin)")
+
+
+def sass(tu: str, tmp: Path) -> str:
+    from fused_logp.kernel import sm90
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    cubin = tmp / (tu + ".cubin")
+    cmd = [nvcc, "-cubin", str(CSRC / tu), "-o", str(cubin), *sm90.CUDA_FLAGS, "-std=c++17",
+           "-DTORCH_EXTENSION_NAME=sm90_ext", "-I", str(CSRC)]
+    for p in _includes(tmp):
+        cmd += ["-I", p]
+    subprocess.run(cmd, check=True)
+    return subprocess.run([_nvdisasm(), "-g", "-c", str(cubin)], check=True, stdout=subprocess.PIPE,
+                          text=True).stdout
+
+
+def kernels(text: str) -> dict[str, list[tuple[str, str]]]:
+    """function name -> [(opcode, line marker)], the line marker being the last '//## File ..., line N' seen."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    cur, where = None, ""
+    for line in text.splitlines():
+        m = re.match(r"(_Z\w+):$", line)
+        if m:
+            cur = m.group(1)
+            out[cur] = []
+            continue
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = f"{Path(m.group(1)).name}:{m.group(2)}"
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and cur is not None:
+            out[cur].append((m.group(1).split(".")[0], where))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu")
+    ap.add_argument("--out", default=None, help="write sass-<tu>.txt and sass-counts.json here")
+    args = ap.parse_args()
+    summary = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for tu in args.tu.split(","):
+            text = sass(tu, tmp)
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / f"sass-{tu}.txt").write_text(text)
+            for name, ins in kernels(text).items():
+                # the FULL_K forward statistics kernel: fused_cta_kernel<WM, WGN, true, false, ...>
+                if "fused_cta_kernel" not in name or not re.search(r"Li\d+ELi\d+ELb1ELb0E", name):
+                    continue
+                hist = collections.Counter(op for op, _ in ins)
+                epi = collections.Counter(op for op, w in ins if w.startswith("stats_epilogue.cuh")
+                                          or w.startswith("contract_math.cuh"))
+                summary[f"{tu}:{name}"] = {"total": len(ins), "epilogue_lines": sum(epi.values()),
+                                           "by_opcode": dict(hist.most_common()),
+                                           "epilogue_by_opcode": dict(epi.most_common())}
+                top = ", ".join(f"{k} {v}" for k, v in epi.most_common(14))
+                print(f"{tu}: {name[:60]}...: {len(ins)} instructions, {sum(epi.values())} from the epilogue's "
+                      f"sources ({top})")
+    if args.out:
+        (Path(args.out) / "sass-counts.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
