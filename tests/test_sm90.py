@@ -174,8 +174,8 @@ def test_lean_item_path_on_its_guards_edges(be, oracle, cgen):
     scale[4:8] = 1e-33                    # logits ~1e-32 < 2^-100
     scale[8:10] = 0.0                     # exact zeros
     h = (h.float() * scale).to(torch.bfloat16)
-    t = torch.rand(n, generator=cgen, device="cuda") + 0.5
-    t[1::4] = torch.tensor([1e-7, 1e7, 2.0 ** -20, 2.0 ** 20, 0.7, 1.0], device="cuda")
+    t = torch.rand(n, generator=cgen, device="cuda") + 0.5       # guarded-out logits above at T in [0.5, 1.5)
+    t[12:18] = torch.tensor([1e-7, 1e7, 2.0 ** -20, 2.0 ** 20, 0.7, 1.0], device="cuda")   # ordinary logits
     tg = targets_for(cgen, n, v)
     base = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256")
     lean = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256-lean")
