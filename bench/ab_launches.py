@@ -4,7 +4,7 @@ so that a drift of the machine falls on all of them. Prints and writes (OUT/ab.j
 and every round's figure. Single runs of the forward benchmark differ by up to ~4% on the H200 machine; this is the
 comparison to use for differences of that size. Defaults: D=4096, V=151936, T=1, bf16 random inputs.
 Usage: PYTHONPATH=src python -P bench/ab_launches.py [--n 2048,8192] [--launches a,b,c] [--rounds 7] [--iters 10]
-       [--temperature 0.7] [--tag t07]   (writes OUT/ab.json, or OUT/ab-TAG.json)"""
+       [--temperature 0.7] [--return-logits] [--tag t07]   (writes OUT/ab.json, or OUT/ab-TAG.json)"""
 import argparse
 import json
 import os
@@ -26,19 +26,21 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--return-logits", action="store_true", help="time the rollout path (FP32 logits written)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     be = backend("ab_launches")
     names = [x for x in args.launches.split(",") if x]
-    res = {"d": args.d, "vocab": args.vocab, "temperature": args.temperature, "rounds": args.rounds,
-           "iters": args.iters, "n": {}}
+    res = {"d": args.d, "vocab": args.vocab, "temperature": args.temperature, "return_logits": args.return_logits,
+           "rounds": args.rounds, "iters": args.iters, "n": {}}
     for n in [int(x) for x in args.n.split(",")]:
         h, w, t, temp = forward_inputs(n, args.d, args.vocab, args.temperature)
         times = {name: [] for name in names}
 
         def call():
-            be.linear_logp(h, w, t, bias=None, temperature=temp, return_logits=False, vocab_size=args.vocab)
+            be.linear_logp(h, w, t, bias=None, temperature=temp, return_logits=args.return_logits,
+                           vocab_size=args.vocab)
 
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
