@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power check-division clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power gpu-ab check-division clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -111,6 +111,18 @@ gpu-kernel-profile:
 		grep -i "duration\|issue slots\|warp cycles per issued\|no eligible" $${OUT:-out}/ncu/$$name-details.txt | head -8; \
 	done
 	cd $${OUT:-out} && tar -czf ncu.tgz ncu && rm -rf ncu
+
+# Interleaved A/B of AB_LAUNCHES (default: the default tile against its lean item path) at AB_N rows: at T = 1, at
+# T = 0.7 and with the logits (bench/ab_launches.py; 7 rounds each), into $OUT/ab-t1.json, ab-t07.json, ab-logits.json.
+AB_LAUNCHES ?= cta-128x256,cta-128x256-lean
+AB_N ?= 256,2048,8192
+gpu-ab:
+	@mkdir -p $${OUT:-out}
+	$(SM90_BUILD)
+	for run in "t1:" "t07:--temperature 0.7" "logits:--return-logits"; do \
+		$(GPU_ENV) timeout 200 $(PYTHON) -P bench/ab_launches.py --n $(AB_N) --launches $(AB_LAUNCHES) \
+			--out $${OUT:-out} --tag $${run%%:*} $${run#*:} || exit $$?; \
+	done
 
 # Power and SM clock while one workload repeats for POWER_SECONDS (default 6) at PROFILE_N rows (default 8192):
 # cuBLAS's bf16 GEMM, our mainloop alone, ours with the statistics, with the logits, at T = 0.7 (nvidia-smi samples
