@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power gpu-ab check-division clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power gpu-ab check-division sass-epilogue clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -33,6 +33,17 @@ test: $(STAMP) cxx-check
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -ra -m slow
+
+# The forward kernels' SASS counted on this machine (bench/sass_epilogue.py --loop): nvcc from the CUDA toolkit, and
+# nvdisasm from the nvidia-cuda-nvdisasm wheel (downloaded once into build/sass-tools where none is on PATH).
+NVDISASM_WHEEL := nvidia-cuda-nvdisasm==13.2.51
+sass-epilogue: $(STAMP)
+	@nv=$$(command -v nvdisasm || ls build/sass-tools/nvidia/cu13/bin/nvdisasm 2>/dev/null); \
+	if [ -z "$$nv" ]; then \
+		mkdir -p build/sass-tools && $(PY) -m pip download -q --no-deps $(NVDISASM_WHEEL) -d build/sass-tools && \
+		$(PY) -m zipfile -e build/sass-tools/nvidia_cuda_nvdisasm-*.whl build/sass-tools && \
+		chmod +x build/sass-tools/nvidia/cu13/bin/nvdisasm && nv=build/sass-tools/nvidia/cu13/bin/nvdisasm; fi; \
+	NVDISASM=$$nv $(PY) -P bench/sass_epilogue.py --loop $(SASS_ARGS)
 
 # The lean item path's division by a row's temperature (stats_epilogue.cuh div_rn_rowrcp) against the IEEE quotient
 # on this CPU: every z of its guarded range for each temperature of tools/division_t_values.py (590 values, ~3.4e9 z
