@@ -43,7 +43,7 @@ sass-epilogue: $(STAMP)
 		mkdir -p build/sass-tools && $(PY) -m pip download -q --no-deps $(NVDISASM_WHEEL) -d build/sass-tools && \
 		$(PY) -m zipfile -e build/sass-tools/nvidia_cuda_nvdisasm-*.whl build/sass-tools && \
 		chmod +x build/sass-tools/nvidia/cu13/bin/nvdisasm && nv=build/sass-tools/nvidia/cu13/bin/nvdisasm; fi; \
-	NVDISASM=$$nv $(PY) -P bench/sass_epilogue.py --loop $(SASS_ARGS)
+	NVDISASM=$$nv $(PY) -P bench/sass_epilogue.py --loop --path $(SASS_ARGS)
 
 # The lean item path's division by a row's temperature (stats_epilogue.cuh div_rn_rowrcp) against the IEEE quotient
 # on this CPU: every z of its guarded range for each temperature of tools/division_t_values.py (590 values, ~3.4e9 z

@@ -4,6 +4,13 @@ epilogue's item loop (the instructions between the loop's first and last line of
 
     python -P bench/sass_epilogue.py [--tu sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu] [--out DIR] [--loop]
 
+--path also follows one item through the item loop on its common path and counts the instructions issued: a full
+tile, every row real, no bias, no logits, the fast exp, the target elsewhere; at T = 1 (`t1`) and at T != 1 (`t07`,
+the lean path's guard passing). Each conditional branch is decided by the source `if` it belongs to (which side
+holds its block, by the first instruction of stats_epilogue.cuh after it); a branch of another line takes the side
+without a slow-path CALL. Predicated instructions count as issued. This is the per-item figure the NOTES' predictions
+use (instructions a logit = the count / 32).
+
 --loop also prints the item loop (the backward branch of stats_epilogue.cuh's loop) by source line, one column a
 translation unit, with the line's text: the table the NOTES' per-item counts were read from. Which lines are on the
 common path (and which are cold: the bias, the logits, `__fdiv_rn`'s fallback, the non-fast exp, the target search)
@@ -105,6 +112,98 @@ def item_loop(ins: list[tuple[str, str]], text_ops: list[tuple[str, str, str]]) 
     return [(txt.split()[0] if not txt.startswith("@") else txt.split()[1], w) for _, txt, w in flat[loop[0]:loop[1]]]
 
 
+_BRA = re.compile(r"(@!?U?P\w+\s+)?BRA(\.\S+)?\s+(?:!?U?P\w+,\s*)?`?\(?(\.L_x_\d+)")
+
+# Scenarios of --path: the truth of each `if` of item_stats / cta_items_epilogue on the item's common path, by a
+# fragment of its source line.
+PATH_SCENARIOS = {
+    "t1": {"p.bias != nullptr": False, "p.logits != nullptr": False, "T[h] != 1.0f": False, "if (full)": True,
+           "__all_sync(0xffffffffu, ok)": True, "if (bad[h])": False, "r >= p.n_rows": False,
+           "tl >= 0 && tl < kTile": False, "q == 0": True, "rbase < p.n_rows": True,
+           "row + 8 * h >= p.n_rows": False},
+}
+PATH_SCENARIOS["t07"] = dict(PATH_SCENARIOS["t1"], **{"T[h] != 1.0f": True, "T[h] >= kRowRcpTMin": True})
+
+
+def _source(where: str) -> tuple[str, int, list[str]]:
+    f, _, ln = where.partition(":")
+    path = CSRC / f
+    return f, int(ln or 0), (path.read_text().splitlines() if path.exists() and ln else [])
+
+
+def _block(lines: list[str], ln: int) -> tuple[int, int] | None:
+    """The source lines of the block the `if` at line ln opens, or None where it has no braces."""
+    if not lines[ln - 1].split("//")[0].rstrip().endswith("{"):
+        return None
+    depth = 0
+    for k in range(ln - 1, len(lines)):
+        for ch in lines[k].split("//")[0]:
+            depth += (ch == "{") - (ch == "}")
+            if ch == "}" and depth == 0:
+                return ln + 1, k + 1
+    return None
+
+
+def common_path(listing: list[tuple[str, str, str]], truth: dict[str, bool]) -> int:
+    """Instructions issued by one item on the path `truth` describes (see --path)."""
+    labels: dict[str, int] = {}
+    flat: list[tuple[str, str]] = []
+    for kind, a, b in listing:
+        if kind == "label":
+            labels[a] = len(flat)
+        else:
+            flat.append((a, b))
+    loop = None
+    for i, (txt, w) in enumerate(flat):
+        m = _BRA.match(txt)
+        if m and w.startswith("stats_epilogue.cuh") and labels[m.group(3)] < i:
+            loop = (labels[m.group(3)], i)
+    if loop is None:
+        return 0
+    start, end = loop
+
+    def slow(j: int) -> bool:
+        return any("CALL" in flat[x][0] for x in range(j, min(j + 12, len(flat))))
+
+    def decide(i: int, tgt: int) -> bool:
+        f, ln, lines = _source(flat[i][1])
+        text = lines[ln - 1] if lines else ""
+        for frag, holds in truth.items():
+            if frag not in text:
+                continue
+            blk = _block(lines, ln)
+            if blk is None:       # `if (...) continue;` jumps when it holds; `if (...) stmt;` jumps over stmt
+                return holds if re.search(r"\b(continue|break|return)\b", text) else not holds
+
+            def in_block(j: int) -> bool:
+                for x in range(j, min(j + 40, len(flat))):
+                    xf, _, xl = flat[x][1].partition(":")
+                    if xf == f and xl and int(xl) > ln:
+                        return blk[0] <= int(xl) <= blk[1]
+                return False
+            tb, fb = in_block(tgt), in_block(i + 1)
+            if tb != fb:
+                return holds if tb else not holds
+            return not holds
+        if slow(tgt) != slow(i + 1):
+            return slow(i + 1)
+        return False
+
+    i, count = start, 0
+    while count < 100000:
+        txt, _ = flat[i]
+        count += 1
+        if i == end:
+            break
+        m = _BRA.match(txt)
+        if m:
+            tgt = labels[m.group(3)]
+            i = tgt if m.group(1) is None or decide(i, tgt) else i + 1
+        else:
+            i += 1
+    return count
+
+
 def kernel_listing(text: str, name: str) -> list[tuple[str, str, str]]:
     """[("label", name, "") | ("ins", instruction text, line marker)] of one function of nvdisasm's output."""
     out: list[tuple[str, str, str]] = []
@@ -135,6 +234,7 @@ def main() -> None:
     ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu")
     ap.add_argument("--out", default=None, help="write sass-<tu>.txt and sass-counts.json here")
     ap.add_argument("--loop", action="store_true", help="the item loop by source line, side by side")
+    ap.add_argument("--path", action="store_true", help="instructions of one item on its common path (t1, t07)")
     args = ap.parse_args()
     summary = {}
     loops: dict[str, collections.Counter] = {}
@@ -152,10 +252,16 @@ def main() -> None:
                 hist = collections.Counter(op for op, _ in ins)
                 epi = collections.Counter(op for op, w in ins if w.startswith("stats_epilogue.cuh")
                                           or w.startswith("contract_math.cuh"))
-                loop = item_loop(ins, kernel_listing(text, name))
+                listing = kernel_listing(text, name)
+                loop = item_loop(ins, listing)
+                if args.path:
+                    paths = {sc: common_path(listing, truth) for sc, truth in PATH_SCENARIOS.items()}
+                    print(f"{tu}: one item's common path: " + ", ".join(
+                        f"{sc} {n} instructions ({n / 32:.1f} a logit)" for sc, n in paths.items()))
                 loops[tu] = collections.Counter(w for _, w in loop)
                 summary[f"{tu}:{name}"] = {"total": len(ins), "epilogue_lines": sum(epi.values()),
                                            "item_loop": len(loop), "item_loop_by_line": dict(loops[tu]),
+                                           "common_path": paths if args.path else None,
                                            "by_opcode": dict(hist.most_common()),
                                            "epilogue_by_opcode": dict(epi.most_common())}
                 top = ", ".join(f"{k} {v}" for k, v in epi.most_common(14))

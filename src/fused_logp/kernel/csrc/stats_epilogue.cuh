@@ -142,13 +142,21 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
   for (int h = 0; h < 2; ++h) {
     if (T[h] != 1.0f) {                 // z / 1 == z exactly: the division is skipped only where it is exact
       if constexpr (LEAN) {
-        // the guard over the row's real lanes (NaN fails it: max_nan)
+        // the guard over the row's real lanes (NaN fails it: max_nan); a full tile's without per-lane predicates
         float amin = __int_as_float(0x7F800000), amax = 0.0f;
+        if (full) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          if (full || c0 + i < p.n_real) {
+          for (int i = 0; i < 16; ++i) {
             amin = fminf(amin, fabsf(z[h][i]));
             amax = max_nan(amax, fabsf(z[h][i]));
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            if (c0 + i < p.n_real) {
+              amin = fminf(amin, fabsf(z[h][i]));
+              amax = max_nan(amax, fabsf(z[h][i]));
+            }
           }
         }
         if (T[h] >= kRowRcpTMin && T[h] <= kRowRcpTMax && amin >= kRowRcpZMin && amax <= kRowRcpZMax) {
