@@ -177,3 +177,17 @@ def test_row_reciprocal_division_sampled_on_the_cpu(tmp_path):
     r = subprocess.run([str(exe), "sample", "10000000", str(secrets.randbits(32) | 1)], stdout=subprocess.PIPE,
                        text=True, timeout=600)
     assert r.returncode == 0 and " 0 mismatches" in r.stdout, r.stdout
+
+
+def test_row_division_guard_is_the_checked_domain():
+    """The lean path's division guard (stats_epilogue.cuh) lies inside the domain tools/check_row_division.cpp checks:
+    T in [2^-20, 2^20] and 2^-100 <= |z| <= 2^100 there, exponent fields [107, 147] and [27, 227] in the tool."""
+    epi = (CSRC / "stats_epilogue.cuh").read_text()
+    g = dict(re.findall(r"(kRowRcp[TZ]M(?:in|ax)) = 0x1p(-?\d+)f", epi))
+    assert {k: int(v) for k, v in g.items()} == {"kRowRcpTMin": -20, "kRowRcpTMax": 20, "kRowRcpZMin": -100,
+                                                  "kRowRcpZMax": 100}
+    tool = (Path(__file__).resolve().parents[1] / "tools" / "check_row_division.cpp").read_text()
+    t = dict(re.findall(r"(k[TZ]Exp(?:Lo|Hi)) = 127 ([+-] \d+)", tool))
+    t = {k: 127 + int(v.replace(" ", "")) for k, v in t.items()}
+    assert t["kTExpLo"] <= 127 + int(g["kRowRcpTMin"]) and 127 + int(g["kRowRcpTMax"]) <= t["kTExpHi"]
+    assert t["kZExpLo"] <= 127 + int(g["kRowRcpZMin"]) and 127 + int(g["kRowRcpZMax"]) <= t["kZExpHi"]
