@@ -125,7 +125,7 @@ gpu-kernel-profile:
 
 # Interleaved A/B of AB_LAUNCHES (default: the default tile against its lean item path) at AB_N rows: at T = 1, at
 # T = 0.7 and with the logits (bench/ab_launches.py; 7 rounds each), into $OUT/ab-t1.json, ab-t07.json, ab-logits.json.
-AB_LAUNCHES ?= cta-128x256,cta-128x256-lean
+AB_LAUNCHES ?= cta-128x256,cta-128x256-lean,cta-128x256-lean-pair
 AB_N ?= 256,2048,8192
 gpu-ab:
 	@mkdir -p $${OUT:-out}

@@ -144,8 +144,9 @@ def _block(lines: list[str], ln: int) -> tuple[int, int] | None:
     return None
 
 
-def common_path(listing: list[tuple[str, str, str]], truth: dict[str, bool]) -> int:
-    """Instructions issued by one item on the path `truth` describes (see --path)."""
+def common_path(listing: list[tuple[str, str, str]], truth: dict[str, bool]) -> float:
+    """Instructions issued a item on the path `truth` describes (see --path): the loop iteration's count divided by
+    the items it takes (the times the path passes item_stats' vote, `__all_sync`)."""
     labels: dict[str, int] = {}
     flat: list[tuple[str, str]] = []
     for kind, a, b in listing:
@@ -189,19 +190,21 @@ def common_path(listing: list[tuple[str, str, str]], truth: dict[str, bool]) -> 
             return slow(i + 1)
         return False
 
-    i, count = start, 0
+    i, count, items = start, 0, 0
     while count < 100000:
-        txt, _ = flat[i]
+        txt, where = flat[i]
         count += 1
         if i == end:
             break
         m = _BRA.match(txt)
         if m:
             tgt = labels[m.group(3)]
+            f, ln, lines = _source(where)
+            items += bool(lines) and "__all_sync(0xffffffffu, ok)" in lines[ln - 1]
             i = tgt if m.group(1) is None or decide(i, tgt) else i + 1
         else:
             i += 1
-    return count
+    return count / max(items, 1)
 
 
 def kernel_listing(text: str, name: str) -> list[tuple[str, str, str]]:
@@ -231,7 +234,7 @@ def kernel_listing(text: str, name: str) -> list[tuple[str, str, str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu")
+    ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu,sm90_cta_128x256_lean_pair.cu")
     ap.add_argument("--out", default=None, help="write sass-<tu>.txt and sass-counts.json here")
     ap.add_argument("--loop", action="store_true", help="the item loop by source line, side by side")
     ap.add_argument("--path", action="store_true", help="instructions of one item on its common path (t1, t07)")
@@ -257,7 +260,7 @@ def main() -> None:
                 if args.path:
                     paths = {sc: common_path(listing, truth) for sc, truth in PATH_SCENARIOS.items()}
                     print(f"{tu}: one item's common path: " + ", ".join(
-                        f"{sc} {n} instructions ({n / 32:.1f} a logit)" for sc, n in paths.items()))
+                        f"{sc} {n:.0f} instructions ({n / 32:.1f} a logit)" for sc, n in paths.items()))
                 loops[tu] = collections.Counter(w for _, w in loop)
                 summary[f"{tu}:{name}"] = {"total": len(ins), "epilogue_lines": sum(epi.values()),
                                            "item_loop": len(loop), "item_loop_by_line": dict(loops[tu]),

@@ -17,7 +17,8 @@ from helpers import bits_equal
 pytestmark = pytest.mark.gpu
 
 SENTINEL = 0x7FBADBAD          # a NaN payload no arithmetic produces
-VARIANTS = ("cta-128x256", "cta-128x256-lean", "cta-64x256", "cta-64x128")   # sm90.LAUNCHES, besides "auto"
+VARIANTS = ("cta-128x256", "cta-128x256-lean", "cta-128x256-lean-pair", "cta-64x256",
+            "cta-64x128")   # sm90.LAUNCHES, besides "auto"
 M_LIST = list(range(1, 18)) + [31, 63, 64, 65, 127, 128, 129, 255, 257, 1000, 4096]
 
 
@@ -163,8 +164,9 @@ def test_device_row_reciprocal_division_is_ieee(be, gen):
     assert beq(q_ref.cpu(), z / t)                                     # and the device quotient is the CPU's
 
 
-def test_lean_item_path_on_its_guards_edges(be, oracle, cgen):
-    """cta-128x256-lean takes __fdiv_rn wherever its division guard fails: rows of logits above 2^100 or below
+@pytest.mark.parametrize("lean", ["cta-128x256-lean", "cta-128x256-lean-pair"])
+def test_lean_item_path_on_its_guards_edges(be, oracle, cgen, lean):
+    """The lean item path takes __fdiv_rn wherever its division guard fails: rows of logits above 2^100 or below
     2^-100 in magnitude, exact zeros, temperatures outside [2^-20, 2^20]; its bytes equal cta-128x256's and the
     oracle's."""
     n, d, v = 24, 256, 1000
@@ -178,10 +180,10 @@ def test_lean_item_path_on_its_guards_edges(be, oracle, cgen):
     t[12:18] = torch.tensor([1e-7, 1e7, 2.0 ** -20, 2.0 ** 20, 0.7, 1.0], device="cuda")   # ordinary logits
     tg = targets_for(cgen, n, v)
     base = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256")
-    lean = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256-lean")
-    for a, c in zip(base, lean):
+    out = run(be, h, w, tg, t, None, v, logits=True, variant=lean)
+    for a, c in zip(base, out):
         assert beq(a, c)
-    _oracle_compare(be, oracle, h, w, tg, t, None, v, variants=("cta-128x256-lean",))
+    _oracle_compare(be, oracle, h, w, tg, t, None, v, variants=(lean,))
 
 
 @pytest.mark.parametrize("variant", ("auto",) + VARIANTS)
@@ -406,8 +408,8 @@ def test_launch_names_are_the_extensions(be, cgen):
     h, w, t, _ = make_inputs(cgen, 3, 64, 128)
     nt = 2
     out = [torch.empty(3, nt, device="cuda"), torch.empty(3, nt, device="cuda"), torch.empty(3, device="cuda")]
-    with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-128x256-lean, cta-64x256, "
-                                           "cta-64x128; got 'cta-96x256'"):
+    with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-128x256-lean, "
+                                           "cta-128x256-lean-pair, cta-64x256, cta-64x128; got 'cta-96x256'"):
         ext.fused_stats(h, w, targets_for(cgen, 3, 128), t, None, 0, 128, out[0], out[1], out[2], None,
                         "cta-96x256", False)
 

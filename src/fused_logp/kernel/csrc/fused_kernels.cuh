@@ -36,8 +36,9 @@ struct Cfg {
 };
 
 // FULL_K: D is a multiple of 64, every stage holds 4 k16 groups (straight-line wgmma issue). DZ: the backward
-// epilogue (wg_dz_epilogue) instead of the statistics. LEAN: the statistics epilogue's lean item path (item_stats).
-template <int WM, int WGN, bool FULL_K, bool DZ, bool LEAN = false>
+// epilogue (wg_dz_epilogue) instead of the statistics. LEAN (statistics epilogue, stats_epilogue.cuh): 0 the default
+// item path; 1 its lean arithmetic (item_stats<true>); 2 that with two items an iteration of the item loop.
+template <int WM, int WGN, bool FULL_K, bool DZ, int LEAN = 0>
 __global__ void __launch_bounds__(kThreads, 1)
 fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                    const __grid_constant__ CUtensorMap map_o, const FusedParams p) {

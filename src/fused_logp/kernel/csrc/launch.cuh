@@ -84,8 +84,9 @@ inline int sm_count() {
   return n;
 }
 
-// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM); LEAN: the lean item path.
-template <int WM, int WGN, bool LEAN = false>
+// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM); LEAN: the item path's level
+// (fused_cta_kernel).
+template <int WM, int WGN, int LEAN = 0>
 void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream) {
   using C = Cfg<WM, WGN>;
   FusedParams q = p;
@@ -104,8 +105,10 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
 }
 
 extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
-extern template void launch_cta<2, 256, true>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
-                                              cudaStream_t);
+extern template void launch_cta<2, 256, 1>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
+                                           cudaStream_t);
+extern template void launch_cta<2, 256, 2>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
+                                           cudaStream_t);
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 

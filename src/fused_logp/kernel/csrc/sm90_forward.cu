@@ -195,8 +195,8 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 
 // The launch configurations of the fused kernel, by name (kernel/sm90.py LAUNCHES, where "auto" is resolved by row
 // count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns); "-lean", its epilogue's lean item
-// path (item_stats in stats_epilogue.cuh). None changes a bit. One table gives the names for Python (launch_names),
-// the dispatch and the refusal.
+// arithmetic (item_stats in stats_epilogue.cuh); "-lean-pair", that with two items an iteration of the item loop.
+// None changes a bit. One table gives the names for Python (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 struct NamedLaunch {
   const char* name;
@@ -207,7 +207,11 @@ static const NamedLaunch kLaunches[] = {
        launch_cta<2, 256>(h, w, p, s);
      }},
     {"cta-128x256-lean", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
-       launch_cta<2, 256, true>(h, w, p, s);
+       launch_cta<2, 256, 1>(h, w, p, s);
+     }},
+    {"cta-128x256-lean-pair",
+     [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
+       launch_cta<2, 256, 2>(h, w, p, s);
      }},
     {"cta-64x256", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
        launch_cta<1, 128>(h, w, p, s);

@@ -246,7 +246,7 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
 // warp k % NW (warp index gw among the NW epilogue warps), the next item's values and its rows' temperatures and
 // targets loaded before this item's arithmetic (global loads: their latency falls under it). Consumer c's tile:
 // rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte st + c * WGN * 256 of the shared window.
-template <int WM, int WGN, int NW, bool LEAN>
+template <int WM, int WGN, int NW, int LEAN>
 __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParams& p, int row0, int col0, int gw) {
   constexpr int NV = WGN / kTile;
   constexpr int NI = kConsumers * 4 * NV;
@@ -258,6 +258,37 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
   };
   int k = gw;
   if (k >= NI) return;
+  if constexpr (LEAN >= 2 && NI % (2 * NW) == 0) {
+    // LEAN 2: every warp takes an even number of items (NI / NW, at compile time), two an iteration through two
+    // register buffers, so that the next item's buffer is never copied into the current one (~34 register copies
+    // an item in the rolled loop below)
+    float4 va[8], vb[8];
+    float Ta[2], Tb[2];
+    long long ta[2], tb[2];
+    auto fetch = [&](int kk, float4 (&v)[8], float (&T)[2], long long (&tcol)[2]) {
+      int c, w, vt;
+      coords(kk, c, w, vt);
+      load_item(v, st + 16u * (c * (WGN * 16)), w, vt);
+      item_rows(p, row0 + 64 * (c % WM) + 16 * w + lane / 4, T, tcol);
+    };
+    auto stats = [&](int kk, const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2]) {
+      int c, w, vt;
+      coords(kk, c, w, vt);
+      const int rbase = row0 + 64 * (c % WM) + 16 * w;
+      const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
+      if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform
+        item_stats<true>(v, T, tcol, p, rbase + lane / 4, tile_col);
+    };
+    fetch(k, va, Ta, ta);
+#pragma unroll 1
+    for (; k < NI; k += 2 * NW) {
+      fetch(k + NW, vb, Tb, tb);
+      stats(k, va, Ta, ta);
+      if (k + 2 * NW < NI) fetch(k + 2 * NW, va, Ta, ta);
+      stats(k + NW, vb, Tb, tb);
+    }
+    return;
+  }
   float4 cur[8];
   float T[2];
   long long tcol[2];
@@ -284,7 +315,7 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
     const int rbase = row0 + 64 * (c % WM) + 16 * w;
     const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
     if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
-      item_stats<LEAN>(cur, T, tcol, p, rbase + lane / 4, tile_col);
+      item_stats<(LEAN > 0)>(cur, T, tcol, p, rbase + lane / 4, tile_col);
 #pragma unroll
     for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
 #pragma unroll
