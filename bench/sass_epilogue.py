@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -72,47 +73,68 @@ def sass(tu: str, tmp: Path) -> str:
                           text=True).stdout
 
 
-def kernels(text: str) -> dict[str, list[tuple[str, str]]]:
-    """function name -> [(opcode, line marker)], the line marker being the last '//## File ..., line N' seen."""
-    out: dict[str, list[tuple[str, str]]] = {}
-    cur, where = None, ""
+def listings(text: str) -> dict[str, list[tuple[str, str, str]]]:
+    """function name -> [("label", name, "") | ("ins", instruction text, line marker)] of nvdisasm's output, the line
+    marker being the last '//## File ..., line N' seen."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    cur: list[tuple[str, str, str]] | None = None
+    where = ""
     for line in text.splitlines():
         m = re.match(r"(_Z\w+):$", line)
         if m:
-            cur = m.group(1)
-            out[cur] = []
+            cur = out.setdefault(m.group(1), [])
+            continue
+        if cur is None:
             continue
         m = re.search(r'//## File "([^"]+)", line (\d+)', line)
         if m:
             where = f"{Path(m.group(1)).name}:{m.group(2)}"
             continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m and cur is not None:
-            out[cur].append((m.group(1).split(".")[0], where))
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            cur.append(("label", m.group(1), ""))
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            cur.append(("ins", m.group(1), where))
     return out
 
 
-def item_loop(ins: list[tuple[str, str]], text_ops: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
-    """The instructions of the item loop: from the target of the last backward branch whose line is in
-    stats_epilogue.cuh to that branch."""
-    labels: dict[str, int] = {}
-    flat: list[tuple[str, str, str]] = []
-    for kind, a, b in text_ops:
-        if kind == "label":
-            labels[a] = len(flat)
-        else:
-            flat.append((kind, a, b))
-    loop = None
-    for i, (_, txt, where) in enumerate(flat):
-        m = re.search(r"BRA\b.*?(\.L_x_\d+)", txt)
-        if m and where.startswith("stats_epilogue.cuh") and labels.get(m.group(1), i + 1) < i:
-            loop = (labels[m.group(1)], i + 1)
-    if loop is None:
-        return []
-    return [(txt.split()[0] if not txt.startswith("@") else txt.split()[1], w) for _, txt, w in flat[loop[0]:loop[1]]]
+def opcode(ins: str) -> str:
+    """The opcode of an instruction's text, without its predicate and modifiers."""
+    return ins.split()[1 if ins.startswith("@") else 0].split(".")[0]
 
 
 _BRA = re.compile(r"(@!?U?P\w+\s+)?BRA(\.\S+)?\s+(?:!?U?P\w+,\s*)?`?\(?(\.L_x_\d+)")
+
+
+Split = tuple[list[tuple[str, str]], dict[str, int], "tuple[int, int] | None"]
+
+
+def _split(listing: list[tuple[str, str, str]]) -> Split:
+    """(instructions as (text, line marker), label -> instruction index, (first, last) index of the item loop: from
+    the target of the last backward branch whose line is in stats_epilogue.cuh to that branch, or None)."""
+    labels: dict[str, int] = {}
+    flat: list[tuple[str, str]] = []
+    for kind, a, b in listing:
+        if kind == "label":
+            labels[a] = len(flat)
+        else:
+            flat.append((a, b))
+    loop = None
+    for i, (txt, w) in enumerate(flat):
+        m = _BRA.match(txt)
+        if m and w.startswith("stats_epilogue.cuh") and labels[m.group(3)] < i:
+            loop = (labels[m.group(3)], i)
+    return flat, labels, loop
+
+
+def item_loop(listing: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
+    """The item loop's instructions as (opcode, line marker), all paths."""
+    flat, _, loop = _split(listing)
+    return [] if loop is None else [(opcode(txt), w) for txt, w in flat[loop[0]:loop[1] + 1]]
+
+
 
 # Scenarios of --path: the truth of each `if` of item_stats / cta_items_epilogue on the item's common path, by a
 # fragment of its source line.
@@ -125,10 +147,16 @@ PATH_SCENARIOS = {
 PATH_SCENARIOS["t07"] = dict(PATH_SCENARIOS["t1"], **{"T[h] != 1.0f": True, "T[h] >= kRowRcpTMin": True})
 
 
+@functools.lru_cache(maxsize=None)
+def _lines(name: str) -> list[str]:
+    path = CSRC / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def _source(where: str) -> tuple[str, int, list[str]]:
+    """(file, line number, the file's lines) of a line marker; no lines for a file outside csrc."""
     f, _, ln = where.partition(":")
-    path = CSRC / f
-    return f, int(ln or 0), (path.read_text().splitlines() if path.exists() and ln else [])
+    return f, int(ln or 0), (_lines(f) if ln else [])
 
 
 def _block(lines: list[str], ln: int) -> tuple[int, int] | None:
@@ -145,20 +173,9 @@ def _block(lines: list[str], ln: int) -> tuple[int, int] | None:
 
 
 def common_path(listing: list[tuple[str, str, str]], truth: dict[str, bool]) -> float:
-    """Instructions issued a item on the path `truth` describes (see --path): the loop iteration's count divided by
+    """Instructions issued an item on the path `truth` describes (see --path): the loop iteration's count divided by
     the items it takes (the times the path passes item_stats' vote, `__all_sync`)."""
-    labels: dict[str, int] = {}
-    flat: list[tuple[str, str]] = []
-    for kind, a, b in listing:
-        if kind == "label":
-            labels[a] = len(flat)
-        else:
-            flat.append((a, b))
-    loop = None
-    for i, (txt, w) in enumerate(flat):
-        m = _BRA.match(txt)
-        if m and w.startswith("stats_epilogue.cuh") and labels[m.group(3)] < i:
-            loop = (labels[m.group(3)], i)
+    flat, labels, loop = _split(listing)
     if loop is None:
         return 0
     start, end = loop
@@ -207,31 +224,6 @@ def common_path(listing: list[tuple[str, str, str]], truth: dict[str, bool]) -> 
     return count / max(items, 1)
 
 
-def kernel_listing(text: str, name: str) -> list[tuple[str, str, str]]:
-    """[("label", name, "") | ("ins", instruction text, line marker)] of one function of nvdisasm's output."""
-    out: list[tuple[str, str, str]] = []
-    inside, where = False, ""
-    for line in text.splitlines():
-        m = re.match(r"(_Z\w+):$", line)
-        if m:
-            inside = m.group(1) == name
-            continue
-        if not inside:
-            continue
-        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
-        if m:
-            where = f"{Path(m.group(1)).name}:{m.group(2)}"
-            continue
-        m = re.match(r"\s*(\.L_x_\d+):", line)
-        if m:
-            out.append(("label", m.group(1), ""))
-            continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if m:
-            out.append(("ins", m.group(1), where))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu,sm90_cta_128x256_lean_pair.cu")
@@ -248,15 +240,16 @@ def main() -> None:
             if args.out:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / f"sass-{tu}.txt").write_text(text)
-            for name, ins in kernels(text).items():
+            for name, listing in listings(text).items():
                 # the FULL_K forward statistics kernel: fused_cta_kernel<WM, WGN, true, false, ...>
                 if "fused_cta_kernel" not in name or not re.search(r"Li\d+ELi\d+ELb1ELb0E", name):
                     continue
+                ins = [(opcode(txt), w) for kind, txt, w in listing if kind == "ins"]
                 hist = collections.Counter(op for op, _ in ins)
                 epi = collections.Counter(op for op, w in ins if w.startswith("stats_epilogue.cuh")
                                           or w.startswith("contract_math.cuh"))
-                listing = kernel_listing(text, name)
-                loop = item_loop(ins, listing)
+                loop = item_loop(listing)
+                paths = None
                 if args.path:
                     paths = {sc: common_path(listing, truth) for sc, truth in PATH_SCENARIOS.items()}
                     print(f"{tu}: one item's common path: " + ", ".join(
@@ -264,7 +257,7 @@ def main() -> None:
                 loops[tu] = collections.Counter(w for _, w in loop)
                 summary[f"{tu}:{name}"] = {"total": len(ins), "epilogue_lines": sum(epi.values()),
                                            "item_loop": len(loop), "item_loop_by_line": dict(loops[tu]),
-                                           "common_path": paths if args.path else None,
+                                           "common_path": paths,
                                            "by_opcode": dict(hist.most_common()),
                                            "epilogue_by_opcode": dict(epi.most_common())}
                 top = ", ".join(f"{k} {v}" for k, v in epi.most_common(14))
@@ -274,11 +267,10 @@ def main() -> None:
         tus = list(loops)
         keys = sorted(set().union(*loops.values()),
                       key=lambda w: (w.split(":")[0], int(w.split(":")[1]) if ":" in w else 0))
-        print(f"item loop: " + ", ".join(f"{tu} {sum(loops[tu].values())}" for tu in tus))
+        print("item loop: " + ", ".join(f"{tu} {sum(loops[tu].values())}" for tu in tus))
         for w in keys:
-            f, _, ln = w.partition(":")
-            src = CSRC / f
-            text = src.read_text().splitlines()[int(ln) - 1].strip()[:70] if src.exists() and ln else ""
+            _, ln, lines = _source(w)
+            text = lines[ln - 1].strip()[:70] if lines else ""
             print(f"{w:28s}" + "".join(f"{loops[tu].get(w, 0):7d}" for tu in tus) + f"  {text}")
     if args.out:
         (Path(args.out) / "sass-counts.json").write_text(json.dumps(summary, indent=1))
