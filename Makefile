@@ -34,8 +34,9 @@ test: $(STAMP) cxx-check
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -ra -m slow
 
-# The forward kernels' SASS counted on this machine (bench/sass_epilogue.py --loop): nvcc from the CUDA toolkit, and
-# nvdisasm from the nvidia-cuda-nvdisasm wheel (downloaded once into build/sass-tools where none is on PATH).
+# The forward kernels' SASS counted on this machine (bench/sass_epilogue.py --loop --path): nvcc from the CUDA
+# toolkit, and nvdisasm from the nvidia-cuda-nvdisasm wheel (downloaded once into build/sass-tools where none is on
+# PATH).
 NVDISASM_WHEEL := nvidia-cuda-nvdisasm==13.2.51
 sass-epilogue: $(STAMP)
 	@nv=$$(command -v nvdisasm || ls build/sass-tools/nvidia/cu13/bin/nvdisasm 2>/dev/null); \
@@ -123,7 +124,7 @@ gpu-kernel-profile:
 	done
 	cd $${OUT:-out} && tar -czf ncu.tgz ncu && rm -rf ncu
 
-# Interleaved A/B of AB_LAUNCHES (default: the default tile against its lean item path) at AB_N rows: at T = 1, at
+# Interleaved A/B of AB_LAUNCHES (default: the default tile against its two lean item paths) at AB_N rows: at T = 1, at
 # T = 0.7 and with the logits (bench/ab_launches.py; 7 rounds each), into $OUT/ab-t1.json, ab-t07.json, ab-logits.json.
 AB_LAUNCHES ?= cta-128x256,cta-128x256-lean,cta-128x256-lean-pair
 AB_N ?= 256,2048,8192

@@ -256,6 +256,21 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
     w = (k / NV) % 4;
     vt = k % NV;
   };
+  // item kk's staged values and its rows' temperatures and targets; item kk's statistics from them
+  auto fetch = [&](int kk, float4 (&v)[8], float (&T)[2], long long (&tcol)[2]) {
+    int c, w, vt;
+    coords(kk, c, w, vt);
+    load_item(v, st + 16u * (c * (WGN * 16)), w, vt);
+    item_rows(p, row0 + 64 * (c % WM) + 16 * w + lane / 4, T, tcol);
+  };
+  auto stats = [&](int kk, const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2]) {
+    int c, w, vt;
+    coords(kk, c, w, vt);
+    const int rbase = row0 + 64 * (c % WM) + 16 * w;
+    const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
+    if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
+      item_stats<(LEAN > 0)>(v, T, tcol, p, rbase + lane / 4, tile_col);
+  };
   int k = gw;
   if (k >= NI) return;
   if constexpr (LEAN >= 2 && NI % (2 * NW) == 0) {
@@ -265,20 +280,6 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
     float4 va[8], vb[8];
     float Ta[2], Tb[2];
     long long ta[2], tb[2];
-    auto fetch = [&](int kk, float4 (&v)[8], float (&T)[2], long long (&tcol)[2]) {
-      int c, w, vt;
-      coords(kk, c, w, vt);
-      load_item(v, st + 16u * (c * (WGN * 16)), w, vt);
-      item_rows(p, row0 + 64 * (c % WM) + 16 * w + lane / 4, T, tcol);
-    };
-    auto stats = [&](int kk, const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2]) {
-      int c, w, vt;
-      coords(kk, c, w, vt);
-      const int rbase = row0 + 64 * (c % WM) + 16 * w;
-      const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
-      if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform
-        item_stats<true>(v, T, tcol, p, rbase + lane / 4, tile_col);
-    };
     fetch(k, va, Ta, ta);
 #pragma unroll 1
     for (; k < NI; k += 2 * NW) {
@@ -292,30 +293,14 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
   float4 cur[8];
   float T[2];
   long long tcol[2];
-  {
-    int c, w, vt;
-    coords(k, c, w, vt);
-    load_item(cur, st + 16u * (c * (WGN * 16)), w, vt);
-    item_rows(p, row0 + 64 * (c % WM) + 16 * w + lane / 4, T, tcol);
-  }
+  fetch(k, cur, T, tcol);
 #pragma unroll 1
   for (; k < NI; k += NW) {
-    int c, w, vt;
-    coords(k, c, w, vt);
     float4 nxt[8];
     float Tn[2];
     long long tcoln[2];
-    const int kn = k + NW < NI ? k + NW : k;
-    {
-      int cn, wn, vtn;
-      coords(kn, cn, wn, vtn);
-      load_item(nxt, st + 16u * (cn * (WGN * 16)), wn, vtn);
-      item_rows(p, row0 + 64 * (cn % WM) + 16 * wn + lane / 4, Tn, tcoln);
-    }
-    const int rbase = row0 + 64 * (c % WM) + 16 * w;
-    const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
-    if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
-      item_stats<(LEAN > 0)>(cur, T, tcol, p, rbase + lane / 4, tile_col);
+    fetch(k + NW < NI ? k + NW : k, nxt, Tn, tcoln);
+    stats(k, cur, T, tcol);
 #pragma unroll
     for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
 #pragma unroll
