@@ -46,7 +46,7 @@ sass-epilogue: $(STAMP)
 		chmod +x build/sass-tools/nvidia/cu13/bin/nvdisasm && nv=build/sass-tools/nvidia/cu13/bin/nvdisasm; fi; \
 	NVDISASM=$$nv $(PY) -P bench/sass_epilogue.py --loop --path $(SASS_ARGS)
 
-# The lean item path's division by a row's temperature (stats_epilogue.cuh div_rn_rowrcp) against the IEEE quotient
+# The statistics epilogue's division by a row's temperature (stats_epilogue.cuh div_rn_rowrcp) against the IEEE quotient
 # on this CPU: every z of its guarded range for each temperature of tools/division_t_values.py (590 values, ~3.4e9 z
 # each; about 2 s a value on 2 cores with AVX-512). `make test` runs a sampled form of it.
 check-division: cxx-check
@@ -124,9 +124,9 @@ gpu-kernel-profile:
 	done
 	cd $${OUT:-out} && tar -czf ncu.tgz ncu && rm -rf ncu
 
-# Interleaved A/B of AB_LAUNCHES (default: the default tile against its two lean item paths) at AB_N rows: at T = 1, at
-# T = 0.7 and with the logits (bench/ab_launches.py; 7 rounds each), into $OUT/ab-t1.json, ab-t07.json, ab-logits.json.
-AB_LAUNCHES ?= cta-128x256,cta-128x256-lean,cta-128x256-lean-pair
+# Interleaved A/B of AB_LAUNCHES (default: the launch configurations) at AB_N rows: at T = 1, at T = 0.7 and with the
+# logits (bench/ab_launches.py; 7 rounds each), into $OUT/ab-t1.json, ab-t07.json, ab-logits.json.
+AB_LAUNCHES ?= cta-128x256,cta-64x256,cta-64x128
 AB_N ?= 256,2048,8192
 gpu-ab:
 	@mkdir -p $${OUT:-out}

@@ -2,11 +2,11 @@
 it and count the instructions of its FULL_K forward kernel by opcode (statically, whole kernel), and of the
 epilogue's item loop (the instructions between the loop's first and last line of stats_epilogue.cuh, by -lineinfo).
 
-    python -P bench/sass_epilogue.py [--tu sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu] [--out DIR] [--loop]
+    python -P bench/sass_epilogue.py [--tu sm90_cta_128x256.cu,sm90_cta_64x256.cu] [--out DIR] [--loop]
 
 --path also follows one item through the item loop on its common path and counts the instructions issued: a full
 tile, every row real, no bias, no logits, the fast exp, the target elsewhere; at T = 1 (`t1`) and at T != 1 (`t07`,
-the lean path's guard passing). Each conditional branch is decided by the source `if` it belongs to (which side
+the division guard passing). Each conditional branch is decided by the source `if` it belongs to (which side
 holds its block, by the first instruction of stats_epilogue.cuh after it); a branch of another line takes the side
 without a slow-path CALL. Predicated instructions count as issued. This is the per-item figure the NOTES' predictions
 use (instructions a logit = the count / 32).
@@ -226,7 +226,7 @@ def common_path(listing: list[tuple[str, str, str]], truth: dict[str, bool]) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_128x256_lean.cu,sm90_cta_128x256_lean_pair.cu")
+    ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_64x256.cu,sm90_cta_64x128.cu")
     ap.add_argument("--out", default=None, help="write sass-<tu>.txt and sass-counts.json here")
     ap.add_argument("--loop", action="store_true", help="the item loop by source line, side by side")
     ap.add_argument("--path", action="store_true", help="instructions of one item on its common path (t1, t07)")

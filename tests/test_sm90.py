@@ -17,8 +17,7 @@ from helpers import bits_equal
 pytestmark = pytest.mark.gpu
 
 SENTINEL = 0x7FBADBAD          # a NaN payload no arithmetic produces
-VARIANTS = ("cta-128x256", "cta-128x256-lean", "cta-128x256-lean-pair", "cta-64x256",
-            "cta-64x128")   # sm90.LAUNCHES, besides "auto"
+VARIANTS = ("cta-128x256", "cta-64x256", "cta-64x128")   # sm90.LAUNCHES, besides "auto"
 M_LIST = list(range(1, 18)) + [31, 63, 64, 65, 127, 128, 129, 255, 257, 1000, 4096]
 
 
@@ -137,11 +136,10 @@ def test_device_exp_fast_matches_cpu(be, gen):
     x = torch.cat([x, torch.tensor([0.0, -0.0, -87.0, -1e-45, -1.0, -0.5])])
     want = torch.from_numpy(contract_exp(x.numpy()))
     assert beq(be.device_exp_fast(x.cuda()).cpu(), want)
-    assert beq(be.device_exp_fast(x.cuda(), fused_hi=True).cpu(), want)      # the lean item path's form
 
 
 def test_device_row_reciprocal_division_is_ieee(be, gen):
-    """The lean item path's division from a row's reciprocal equals __fdiv_rn (the IEEE quotient) bit for bit on its
+    """The epilogue's division from a row's reciprocal equals __fdiv_rn (the IEEE quotient) bit for bit on its
     guarded domain: T in [2^-20, 2^20], 2^-100 <= |z| <= 2^100 (random bit patterns of both, the ends, the usual
     temperatures)."""
     m = 1 << 22
@@ -164,11 +162,11 @@ def test_device_row_reciprocal_division_is_ieee(be, gen):
     assert beq(q_ref.cpu(), z / t)                                     # and the device quotient is the CPU's
 
 
-@pytest.mark.parametrize("lean", ["cta-128x256-lean", "cta-128x256-lean-pair"])
-def test_lean_item_path_on_its_guards_edges(be, oracle, cgen, lean):
-    """The lean item path takes __fdiv_rn wherever its division guard fails: rows of logits above 2^100 or below
-    2^-100 in magnitude, exact zeros, temperatures outside [2^-20, 2^20]; its bytes equal cta-128x256's and the
-    oracle's."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_row_division_guard_edges(be, oracle, cgen, variant):
+    """The epilogue takes __fdiv_rn wherever its row division guard fails: rows of logits above 2^100 or below
+    2^-100 in magnitude, exact zeros, temperatures outside [2^-20, 2^20], beside rows that pass it; its bytes equal
+    the oracle's, and the logits are the same under every configuration."""
     n, d, v = 24, 256, 1000
     h, w, t, b = make_inputs(cgen, n, d, v, scale_w=0.5)
     scale = torch.ones(n, 1, device="cuda")
@@ -180,10 +178,10 @@ def test_lean_item_path_on_its_guards_edges(be, oracle, cgen, lean):
     t[12:18] = torch.tensor([1e-7, 1e7, 2.0 ** -20, 2.0 ** 20, 0.7, 1.0], device="cuda")   # ordinary logits
     tg = targets_for(cgen, n, v)
     base = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256")
-    out = run(be, h, w, tg, t, None, v, logits=True, variant=lean)
+    out = run(be, h, w, tg, t, None, v, logits=True, variant=variant)
     for a, c in zip(base, out):
         assert beq(a, c)
-    _oracle_compare(be, oracle, h, w, tg, t, None, v, variants=(lean,))
+    _oracle_compare(be, oracle, h, w, tg, t, None, v, variants=(variant,))
 
 
 @pytest.mark.parametrize("variant", ("auto",) + VARIANTS)
@@ -408,8 +406,8 @@ def test_launch_names_are_the_extensions(be, cgen):
     h, w, t, _ = make_inputs(cgen, 3, 64, 128)
     nt = 2
     out = [torch.empty(3, nt, device="cuda"), torch.empty(3, nt, device="cuda"), torch.empty(3, device="cuda")]
-    with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-128x256-lean, "
-                                           "cta-128x256-lean-pair, cta-64x256, cta-64x128; got 'cta-96x256'"):
+    with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-64x256, cta-64x128; "
+                                           "got 'cta-96x256'"):
         ext.fused_stats(h, w, targets_for(cgen, 3, 128), t, None, 0, 128, out[0], out[1], out[2], None,
                         "cta-96x256", False)
 

@@ -57,7 +57,7 @@ def test_sm90_module_constant_order_matches_extension_source():
 
 
 # The fused multiply-adds the kernels may use, each giving the bits of the separately rounded form it replaces:
-# exp_reduce's exact-product step (FUSED_HI) and the lean item path's division from a row's reciprocal.
+# exp_reduce's exact-product step and the statistics epilogue's division from a row's reciprocal.
 FMA_USES = {"contract_math.cuh": 1, "stats_epilogue.cuh": 4}
 
 
@@ -68,7 +68,7 @@ def test_no_fast_math_or_libm_in_kernel_sources():
             assert bad not in text, f"{f.name} uses {bad}"
         assert text.count("fmaf") == text.count("__fmaf_rn(") == FMA_USES.get(f.name, 0), f.name
     exp = (CSRC / "contract_math.cuh").read_text()
-    assert "FUSED_HI ? __fmaf_rn(-k, bits(EXP_LN2_HI), xc) :" in exp
+    assert "const float hi = __fmaf_rn(-k, bits(EXP_LN2_HI), xc);" in exp
     div = (CSRC / "stats_epilogue.cuh").read_text()
     body = re.search(r"float div_rn_rowrcp\(float z, float T, float y\) \{(.*?)\n\}", div, re.S).group(1)
     assert body.count("__fmaf_rn(") == 4
@@ -165,7 +165,7 @@ def test_fused_exp_reduction_product_is_exact():
 
 
 def test_row_reciprocal_division_sampled_on_the_cpu(tmp_path):
-    """tools/check_row_division.cpp: the lean item path's five operations on y = RN(1 / T) equal the IEEE quotient
+    """tools/check_row_division.cpp: the epilogue's five operations on y = RN(1 / T) equal the IEEE quotient
     on 10^7 random (z, T) pairs of the guarded domain and its ends (the exhaustive run over z for 590 T values is
     `make check-division`; bench/results/ holds its output)."""
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
@@ -180,7 +180,7 @@ def test_row_reciprocal_division_sampled_on_the_cpu(tmp_path):
 
 
 def test_row_division_guard_is_the_checked_domain():
-    """The lean path's division guard (stats_epilogue.cuh) lies inside the domain tools/check_row_division.cpp checks:
+    """The epilogue's division guard (stats_epilogue.cuh) lies inside the domain tools/check_row_division.cpp checks:
     T in [2^-20, 2^20] and 2^-100 <= |z| <= 2^100 there, exponent fields [107, 147] and [27, 227] in the tool."""
     epi = (CSRC / "stats_epilogue.cuh").read_text()
     g = dict(re.findall(r"(kRowRcp[TZ]M(?:in|ax)) = 0x1p(-?\d+)f", epi))

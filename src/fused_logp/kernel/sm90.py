@@ -17,17 +17,15 @@ from ..shared_contract import constants as C
 from .extension_build import build_checked
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_128x256_lean.cu",
-            "sm90_cta_128x256_lean_pair.cu", "sm90_cta_64x256.cu", "sm90_cta_64x128.cu", "sm90_backward.cu",
-            "sm90_transforms.cu", "sm90_fingerprint.cu")
+_SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_64x256.cu", "sm90_cta_64x128.cu",
+            "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
 # Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by the name the
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
-# of them, chosen by row count. "-lean": the same tile with the epilogue's lean item arithmetic (stats_epilogue.cuh);
-# "-lean-pair": that with two items an iteration of the item loop.
-LAUNCHES = ("cta-128x256", "cta-128x256-lean", "cta-128x256-lean-pair", "cta-64x256", "cta-64x128")
+# of them, chosen by row count.
+LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128")
 
 
 def auto_launch(n_rows: int) -> str:
@@ -243,12 +241,12 @@ class SM90Backend:
         contract_math.cuh; the last is meaningful for finite x <= 0 only."""
         return tuple(self._module().explog(x.contiguous()))
 
-    def device_exp_fast(self, x, fused_hi: bool = False):
+    def device_exp_fast(self, x):
         """contract_exp_fast(x) from contract_math.cuh: the tile epilogue's exp where every lane of a warp lies in
-        [FAST_EXP_MIN, 0] = [-87, 0]; meaningful there only. fused_hi: the lean item path's form of it."""
-        return self._module().exp_fast(x.contiguous(), fused_hi)
+        [FAST_EXP_MIN, 0] = [-87, 0]; meaningful there only."""
+        return self._module().exp_fast(x.contiguous())
 
     def device_div_rowrcp(self, z, t):
-        """(div_rn_rowrcp(z, t, RN(1 / t)), __fdiv_rn(z, t)) elementwise from stats_epilogue.cuh: the lean item
-        path's division from a row's reciprocal, unguarded, and the IEEE quotient."""
+        """(div_rn_rowrcp(z, t, RN(1 / t)), __fdiv_rn(z, t)) elementwise from stats_epilogue.cuh: the epilogue's
+        division from a row's reciprocal, unguarded, and the IEEE quotient."""
         return tuple(self._module().div_rowrcp(z.contiguous(), t.contiguous()))

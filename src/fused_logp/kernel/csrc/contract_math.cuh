@@ -48,15 +48,14 @@ struct ExpReduced {
   float t, k, p;
 };
 //
-// FUSED_HI: xc - k LN2_HI as one fused multiply-add. The same bits: on the clamped domain k is an integer in
-// [-150, 128] (8 bits) and LN2_HI has 15 significant bits, so the product k LN2_HI is exact in binary32 and both
-// forms round the same exact difference once (tests/test_sm90_compile.py checks the product for every such k).
-// The contract's other multiplies and adds stay separately rounded.
-template <bool FUSED_HI = false>
+// xc - k LN2_HI is one fused multiply-add with the contract's bits: on the clamped domain k is an integer in
+// [-150, 128] (8 bits) and LN2_HI has 15 significant bits, so the product k LN2_HI is exact in binary32 and the
+// contract's xc - RN(k LN2_HI) rounds the same exact difference once (tests/test_sm90_compile.py checks the product
+// for every such k). The contract's other multiplies and adds stay separately rounded.
 __device__ __forceinline__ ExpReduced exp_reduce(float xc) {
   const float t = __fadd_rn(__fmul_rn(xc, bits(EXP_LOG2E)), bits(EXP_SHIFTER));
   const float k = __fsub_rn(t, bits(EXP_SHIFTER));
-  const float hi = FUSED_HI ? __fmaf_rn(-k, bits(EXP_LN2_HI), xc) : __fsub_rn(xc, __fmul_rn(k, bits(EXP_LN2_HI)));
+  const float hi = __fmaf_rn(-k, bits(EXP_LN2_HI), xc);
   const float r = __fsub_rn(hi, __fmul_rn(k, bits(EXP_LN2_LO)));
   float p = __fadd_rn(bits(EXP_POLY_C6), __fmul_rn(r, bits(EXP_POLY_C7)));
   p = __fadd_rn(bits(EXP_POLY_C5), __fmul_rn(r, p));
@@ -101,9 +100,8 @@ __device__ __forceinline__ float contract_exp_nonpos(float x) {
 // first factor exact, the second rounding once). The tile epilogue takes it only when every lane of the warp
 // qualifies (FAST_EXP_MIN below), else contract_exp_nonpos.
 constexpr float FAST_EXP_MIN = -87.0f;   // -87 * LOG2E = -125.5..: n >= -126
-template <bool FUSED_HI = false>
 __device__ __forceinline__ float contract_exp_fast(float x) {
-  const ExpReduced e = exp_reduce<FUSED_HI>(x);
+  const ExpReduced e = exp_reduce(x);
   const uint32_t scale = (static_cast<uint32_t>(__float_as_int(e.t)) << 23) + 0x3F800000u;
   return __fmul_rn(e.p, __int_as_float(static_cast<int>(scale)));
 }

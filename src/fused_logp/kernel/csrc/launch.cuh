@@ -84,9 +84,8 @@ inline int sm_count() {
   return n;
 }
 
-// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM); LEAN: the item path's level
-// (fused_cta_kernel).
-template <int WM, int WGN, int LEAN = 0>
+// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM).
+template <int WM, int WGN>
 void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream) {
   using C = Cfg<WM, WGN>;
   FusedParams q = p;
@@ -94,8 +93,8 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
-  auto kern = (p.d % kBK == 0) ? fused_cta_kernel<WM, WGN, true, false, LEAN>
-                                : fused_cta_kernel<WM, WGN, false, false, LEAN>;
+  auto kern = (p.d % kBK == 0) ? fused_cta_kernel<WM, WGN, true, false>
+                                : fused_cta_kernel<WM, WGN, false, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
   TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");
@@ -105,10 +104,6 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
 }
 
 extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
-extern template void launch_cta<2, 256, 1>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
-                                           cudaStream_t);
-extern template void launch_cta<2, 256, 2>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
-                                           cudaStream_t);
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 

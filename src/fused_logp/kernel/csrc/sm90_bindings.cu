@@ -24,7 +24,7 @@ std::vector<torch::Tensor> merge_ids(torch::Tensor tile_max, torch::Tensor tile_
                                      torch::Tensor mirror, c10::optional<int64_t> poison);
 std::vector<int64_t> contract_constants();
 std::vector<torch::Tensor> explog(torch::Tensor x);
-torch::Tensor exp_fast(torch::Tensor x, bool fused_hi);
+torch::Tensor exp_fast(torch::Tensor x);
 std::vector<torch::Tensor> div_rowrcp(torch::Tensor z, torch::Tensor t);
 // sm90_backward.cu
 void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
@@ -46,9 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logits_stats", &sm90::logits_stats, "contract tile statistics from FP32 logits");
   m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
   m.def("explog", &sm90::explog, "contract exp/log on the device (test hook)");
-  m.def("exp_fast", &sm90::exp_fast, "the epilogue's one-multiply contract exp on [-87, 0] (test hook)",
-        py::arg("x"), py::arg("fused_hi") = false);
-  m.def("div_rowrcp", &sm90::div_rowrcp, "the lean item path's division from a row's reciprocal (test hook)");
+  m.def("exp_fast", &sm90::exp_fast, "the epilogue's one-multiply contract exp on [-87, 0] (test hook)");
+  m.def("div_rowrcp", &sm90::div_rowrcp, "the epilogue's division from a row's reciprocal (test hook)");
   m.def("backward_dz", &sm90::backward_dz, "backward: recompute GEMM of one vocabulary chunk with the bf16 logit gradient as its epilogue");
   m.def("fingerprint_rows", &sm90::fingerprint_rows, "lm_head fingerprint: [V, 2] row hashes");
   m.def("topp_crossing", &sm90::topp_crossing, "top-p: first sequential binary32 prefix sum >= p per row");

@@ -194,9 +194,7 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 }
 
 // The launch configurations of the fused kernel, by name (kernel/sm90.py LAUNCHES, where "auto" is resolved by row
-// count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns); "-lean", its epilogue's lean item
-// arithmetic (item_stats in stats_epilogue.cuh); "-lean-pair", that with two items an iteration of the item loop.
-// None changes a bit. One table gives the names for Python (launch_names), the dispatch and the refusal.
+// count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns). None changes a bit. One table gives the names for Python (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 struct NamedLaunch {
   const char* name;
@@ -205,13 +203,6 @@ struct NamedLaunch {
 static const NamedLaunch kLaunches[] = {
     {"cta-128x256", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
        launch_cta<2, 256>(h, w, p, s);
-     }},
-    {"cta-128x256-lean", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
-       launch_cta<2, 256, 1>(h, w, p, s);
-     }},
-    {"cta-128x256-lean-pair",
-     [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
-       launch_cta<2, 256, 2>(h, w, p, s);
      }},
     {"cta-64x256", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
        launch_cta<1, 128>(h, w, p, s);
@@ -413,29 +404,27 @@ std::vector<torch::Tensor> explog(torch::Tensor x) {
   return {e, l, en};
 }
 
-// Test hook: the epilogue's one-multiply exp (contract_exp_fast; fused_hi: its lean form, exp_reduce<true>) over a
-// float32 tensor; meaningful for FAST_EXP_MIN <= x <= 0 only.
-template <bool FUSED_HI>
+// Test hook: the epilogue's one-multiply exp (contract_exp_fast) over a float32 tensor; meaningful for
+// FAST_EXP_MIN <= x <= 0 only.
 static __global__ void exp_fast_kernel(const float* x, float* e, long long n) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) e[i] = contract::contract_exp_fast<FUSED_HI>(x[i]);
+  if (i < n) e[i] = contract::contract_exp_fast(x[i]);
 }
 
-torch::Tensor exp_fast(torch::Tensor x, bool fused_hi) {
+torch::Tensor exp_fast(torch::Tensor x) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "sm90: exp_fast input");
   auto e = torch::empty_like(x);
   const long long n = x.numel();
   if (n > 0) {
     const c10::cuda::CUDAGuard guard(x.device());
-    auto kern = fused_hi ? exp_fast_kernel<true> : exp_fast_kernel<false>;
-    kern<<<static_cast<unsigned>((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    exp_fast_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
         x.data_ptr<float>(), e.data_ptr<float>(), n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return e;
 }
 
-// Test hook: the lean item path's division z[i] / t[i] from the reciprocal RN(1 / t[i]) (div_rn_rowrcp, without
+// Test hook: the epilogue's division z[i] / t[i] from the reciprocal RN(1 / t[i]) (div_rn_rowrcp, without
 // its guard: meaningful where the guard holds), and __fdiv_rn beside it.
 static __global__ void div_rowrcp_kernel(const float* z, const float* t, float* q, float* q_ref, long long n) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;

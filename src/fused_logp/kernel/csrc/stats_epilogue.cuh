@@ -91,10 +91,8 @@ __device__ __forceinline__ float tree16(const float (&e)[16]) {
 // One item: z[h][i] is column tile_col + 16q + i of row row + 8h; T and tcol are the two rows' item_rows. Every
 // thread of the warp calls it (the vote below). The exp: contract_exp_fast where every lane of the warp qualifies
 // (all 64 columns real, no non-finite lane, z' - m_t >= FAST_EXP_MIN), else contract_exp_nonpos on the real lanes;
-// both give the contract's bits. LEAN (the same bits in fewer instructions): the division by a row's T != 1 from
-// its reciprocal (div_rn_rowrcp) where the row's real lanes pass its guard, and the fast exp's reduction with one
-// fused multiply-add (exp_reduce<true>).
-template <bool LEAN>
+// both give the contract's bits. The division by a row's T != 1 is taken from the row's reciprocal (div_rn_rowrcp)
+// where the row's real lanes pass its guard, else it is __fdiv_rn; both give the IEEE quotient.
 __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2],
                                            const FusedParams& p, int row, int tile_col) {
   const int q = threadIdx.x % 4;
@@ -141,30 +139,29 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (T[h] != 1.0f) {                 // z / 1 == z exactly: the division is skipped only where it is exact
-      if constexpr (LEAN) {
-        // the guard over the row's real lanes (NaN fails it: max_nan); a full tile's without per-lane predicates
-        float amin = __int_as_float(0x7F800000), amax = 0.0f;
-        if (full) {
+      // the guard over the row's real lanes (NaN fails it: max_nan); a full tile's without per-lane predicates
+      // (one loop with a predicate a lane costs more instructions a logit)
+      float amin = __int_as_float(0x7F800000), amax = 0.0f;
+      if (full) {
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {
+        for (int i = 0; i < 16; ++i) {
+          amin = fminf(amin, fabsf(z[h][i]));
+          amax = max_nan(amax, fabsf(z[h][i]));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          if (c0 + i < p.n_real) {
             amin = fminf(amin, fabsf(z[h][i]));
             amax = max_nan(amax, fabsf(z[h][i]));
           }
-        } else {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            if (c0 + i < p.n_real) {
-              amin = fminf(amin, fabsf(z[h][i]));
-              amax = max_nan(amax, fabsf(z[h][i]));
-            }
-          }
         }
-        if (T[h] >= kRowRcpTMin && T[h] <= kRowRcpTMax && amin >= kRowRcpZMin && amax <= kRowRcpZMax) {
-          const float y = __frcp_rn(T[h]);
+      }
+      if (T[h] >= kRowRcpTMin && T[h] <= kRowRcpTMax && amin >= kRowRcpZMin && amax <= kRowRcpZMax) {
+        const float y = __frcp_rn(T[h]);
 #pragma unroll
-          for (int i = 0; i < 16; ++i) z[h][i] = div_rn_rowrcp(z[h][i], T[h], y);
-          continue;
-        }
+        for (int i = 0; i < 16; ++i) z[h][i] = div_rn_rowrcp(z[h][i], T[h], y);
+        continue;
       }
 #pragma unroll
       for (int i = 0; i < 16; ++i) z[h][i] = __fdiv_rn(z[h][i], T[h]);
@@ -208,7 +205,7 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
     for (int h = 0; h < 2; ++h) {
       float e[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) e[i] = contract::contract_exp_fast<LEAN>(__fsub_rn(z[h][i], m[h]));
+      for (int i = 0; i < 16; ++i) e[i] = contract::contract_exp_fast(__fsub_rn(z[h][i], m[h]));
       s[h] = tree16(e);
     }
   } else {
@@ -246,7 +243,7 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
 // warp k % NW (warp index gw among the NW epilogue warps), the next item's values and its rows' temperatures and
 // targets loaded before this item's arithmetic (global loads: their latency falls under it). Consumer c's tile:
 // rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte st + c * WGN * 256 of the shared window.
-template <int WM, int WGN, int NW, int LEAN>
+template <int WM, int WGN, int NW>
 __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParams& p, int row0, int col0, int gw) {
   constexpr int NV = WGN / kTile;
   constexpr int NI = kConsumers * 4 * NV;
@@ -269,27 +266,10 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
     const int rbase = row0 + 64 * (c % WM) + 16 * w;
     const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
     if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
-      item_stats<(LEAN > 0)>(v, T, tcol, p, rbase + lane / 4, tile_col);
+      item_stats(v, T, tcol, p, rbase + lane / 4, tile_col);
   };
   int k = gw;
   if (k >= NI) return;
-  if constexpr (LEAN >= 2 && NI % (2 * NW) == 0) {
-    // LEAN 2: every warp takes an even number of items (NI / NW, at compile time), two an iteration through two
-    // register buffers, so that the next item's buffer is never copied into the current one (~34 register copies
-    // an item in the rolled loop below)
-    float4 va[8], vb[8];
-    float Ta[2], Tb[2];
-    long long ta[2], tb[2];
-    fetch(k, va, Ta, ta);
-#pragma unroll 1
-    for (; k < NI; k += 2 * NW) {
-      fetch(k + NW, vb, Tb, tb);
-      stats(k, va, Ta, ta);
-      if (k + 2 * NW < NI) fetch(k + 2 * NW, va, Ta, ta);
-      stats(k + NW, vb, Tb, tb);
-    }
-    return;
-  }
   float4 cur[8];
   float T[2];
   long long tcol[2];

@@ -1,6 +1,0 @@
-// The CTA kernel with a 128x256 tile (rows x vocabulary columns) and the lean item arithmetic, forward statistics.
-#include "launch.cuh"
-
-namespace sm90 {
-template void launch_cta<2, 256, 1>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
-}  // namespace sm90
