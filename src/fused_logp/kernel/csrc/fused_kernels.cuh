@@ -36,8 +36,9 @@ struct Cfg {
 };
 
 // FULL_K: D is a multiple of 64, every stage holds 4 k16 groups (straight-line wgmma issue). DZ: the backward
-// epilogue (wg_dz_epilogue) instead of the statistics.
-template <int WM, int WGN, bool FULL_K, bool DZ>
+// epilogue (wg_dz_epilogue) instead of the statistics. LOGITS: the statistics epilogue also
+// stores the logits (p.logits is set exactly when it is true; item_stats in stats_epilogue.cuh).
+template <int WM, int WGN, bool FULL_K, bool DZ, bool LOGITS = false>
 __global__ void __launch_bounds__(kThreads, 1)
 fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                    const __grid_constant__ CUtensorMap map_o, const FusedParams p) {
@@ -144,7 +145,7 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
     stage_acc_swz<WGN>(smem_u32(smem) + 16u * (c * (C::ACC / 4 * 128)), acc);
     __syncthreads();
-    cta_items_epilogue<WM, WGN, 128 * kConsumers / 32>(smem_u32(smem), p, m0, n0, threadIdx.x / 32 - 4);
+    cta_items_epilogue<WM, WGN, 128 * kConsumers / 32, LOGITS>(smem_u32(smem), p, m0, n0, threadIdx.x / 32 - 4);
   }
 }
 

@@ -93,8 +93,10 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
-  auto kern = (p.d % kBK == 0) ? fused_cta_kernel<WM, WGN, true, false>
-                                : fused_cta_kernel<WM, WGN, false, false>;
+  const bool full_k = p.d % kBK == 0, logits = p.logits != nullptr;
+  auto kern = full_k ? fused_cta_kernel<WM, WGN, true, false, false> : fused_cta_kernel<WM, WGN, false, false, false>;
+  if (logits)
+    kern = full_k ? fused_cta_kernel<WM, WGN, true, false, true> : fused_cta_kernel<WM, WGN, false, false, true>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
   TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");

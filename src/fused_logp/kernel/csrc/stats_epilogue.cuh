@@ -92,7 +92,10 @@ __device__ __forceinline__ float tree16(const float (&e)[16]) {
 // thread of the warp calls it (the vote below). The exp: contract_exp_fast where every lane of the warp qualifies
 // (all 64 columns real, no non-finite lane, z' - m_t >= FAST_EXP_MIN), else contract_exp_nonpos on the real lanes;
 // both give the contract's bits. The division by a row's T != 1 is taken from the row's reciprocal (div_rn_rowrcp)
-// where the row's real lanes pass its guard, else it is __fdiv_rn; both give the IEEE quotient.
+// where the row's real lanes pass its guard, else it is __fdiv_rn; both give the IEEE quotient. LOGITS (p.logits is
+// set exactly when it is true): the unscaled logits are kept and stored after the row maximum's shuffles, so that
+// the stores do not queue ahead of the shuffles; they drain under the exp's arithmetic.
+template <bool LOGITS>
 __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2],
                                            const FusedParams& p, int row, int tile_col) {
   const int q = threadIdx.x % 4;
@@ -118,8 +121,8 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
       }
     }
   }
-  if (p.logits != nullptr) {
-    // unscaled logits, streamed past L2: 64 contiguous bytes a row, as four 16-byte stores where aligned
+  // unscaled logits, streamed past L2: 64 contiguous bytes a row, as four 16-byte stores where aligned
+  auto store_logits = [&](const float (&zu)[2][16]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (row + 8 * h >= p.n_rows) continue;
@@ -127,14 +130,21 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
       if (full && p.logits_vec4) {
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          __stcs(reinterpret_cast<float4*>(lr) + i, make_float4(z[h][4 * i], z[h][4 * i + 1], z[h][4 * i + 2],
-                                                                z[h][4 * i + 3]));
+          __stcs(reinterpret_cast<float4*>(lr) + i, make_float4(zu[h][4 * i], zu[h][4 * i + 1], zu[h][4 * i + 2],
+                                                                zu[h][4 * i + 3]));
       } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i)
-          if (c0 + i < p.n_real) __stcs(lr + i, z[h][i]);
+          if (c0 + i < p.n_real) __stcs(lr + i, zu[h][i]);
       }
     }
+  };
+  float zu[2][16];
+  if constexpr (LOGITS) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) zu[h][i] = z[h][i];
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -197,6 +207,7 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
     bad[h] = !(fabsf(mx) < __int_as_float(0x7F800000)) || mn == __int_as_float(0xFF800000);
     m[h] = bad[h] ? __int_as_float(0x7FFFFFFF) : mx;
   }
+  if constexpr (LOGITS) store_logits(zu);
   const bool ok = full && !bad[0] && !bad[1] && __fsub_rn(lo[0], m[0]) >= contract::FAST_EXP_MIN &&
                   __fsub_rn(lo[1], m[1]) >= contract::FAST_EXP_MIN;
   float s[2];
@@ -243,7 +254,7 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
 // warp k % NW (warp index gw among the NW epilogue warps), the next item's values and its rows' temperatures and
 // targets loaded before this item's arithmetic (global loads: their latency falls under it). Consumer c's tile:
 // rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte st + c * WGN * 256 of the shared window.
-template <int WM, int WGN, int NW>
+template <int WM, int WGN, int NW, bool LOGITS>
 __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParams& p, int row0, int col0, int gw) {
   constexpr int NV = WGN / kTile;
   constexpr int NI = kConsumers * 4 * NV;
@@ -266,7 +277,7 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
     const int rbase = row0 + 64 * (c % WM) + 16 * w;
     const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
     if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
-      item_stats(v, T, tcol, p, rbase + lane / 4, tile_col);
+      item_stats<LOGITS>(v, T, tcol, p, rbase + lane / 4, tile_col);
   };
   int k = gw;
   if (k >= NI) return;
