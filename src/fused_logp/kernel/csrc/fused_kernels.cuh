@@ -36,8 +36,8 @@ struct Cfg {
 };
 
 // FULL_K: D is a multiple of 64, every stage holds 4 k16 groups (straight-line wgmma issue). DZ: the backward
-// epilogue (wg_dz_epilogue) instead of the statistics. LOGITS: the statistics epilogue also
-// stores the logits (p.logits is set exactly when it is true; item_stats in stats_epilogue.cuh).
+// epilogue (wg_dz_epilogue) instead of the statistics. LOGITS: the statistics epilogue also stores the logits
+// (p.logits is set exactly when it is true; item_stats in stats_epilogue.cuh).
 template <int WM, int WGN, bool FULL_K, bool DZ, bool LOGITS = false>
 __global__ void __launch_bounds__(kThreads, 1)
 fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
