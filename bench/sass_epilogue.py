@@ -1,6 +1,6 @@
 """The forward kernels' SASS on the CPU: compile a launch configuration's translation unit for sm_90a, disassemble
-it and count the instructions of its FULL_K forward kernel by opcode (statically, whole kernel), and of the
-epilogue's item loop (the instructions between the loop's first and last line of stats_epilogue.cuh, by -lineinfo).
+it and count the instructions of its two FULL_K forward kernels (without and with the logits, "+logits") by opcode
+(statically, whole kernel), and of the epilogue's item loop (the instructions between the loop's first and last line of stats_epilogue.cuh, by -lineinfo).
 
     python -P bench/sass_epilogue.py [--tu sm90_cta_128x256.cu,sm90_cta_64x256.cu] [--out DIR] [--loop]
 
@@ -139,7 +139,7 @@ def item_loop(listing: list[tuple[str, str, str]]) -> list[tuple[str, str]]:
 # Scenarios of --path: the truth of each `if` of item_stats / cta_items_epilogue on the item's common path, by a
 # fragment of its source line.
 PATH_SCENARIOS = {
-    "t1": {"p.bias != nullptr": False, "p.logits != nullptr": False, "T[h] != 1.0f": False, "if (full)": True,
+    "t1": {"p.bias != nullptr": False, "full && p.logits_vec4": True, "T[h] != 1.0f": False, "if (full)": True,
            "__all_sync(0xffffffffu, ok)": True, "if (bad[h])": False, "r >= p.n_rows": False,
            "tl >= 0 && tl < kTile": False, "q == 0": True, "rbase < p.n_rows": True,
            "row + 8 * h >= p.n_rows": False},
@@ -241,9 +241,11 @@ def main() -> None:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / f"sass-{tu}.txt").write_text(text)
             for name, listing in listings(text).items():
-                # the FULL_K forward statistics kernel: fused_cta_kernel<WM, WGN, true, false, ...>
-                if "fused_cta_kernel" not in name or not re.search(r"Li\d+ELi\d+ELb1ELb0E", name):
+                # the FULL_K forward statistics kernels: fused_cta_kernel<WM, WGN, true, false, LOGITS>
+                m = re.search(r"Li\d+ELi\d+ELb1ELb0ELb([01])E", name)
+                if "fused_cta_kernel" not in name or not m:
                     continue
+                label = tu + (" +logits" if m.group(1) == "1" else "")
                 ins = [(opcode(txt), w) for kind, txt, w in listing if kind == "ins"]
                 hist = collections.Counter(op for op, _ in ins)
                 epi = collections.Counter(op for op, w in ins if w.startswith("stats_epilogue.cuh")
@@ -252,16 +254,16 @@ def main() -> None:
                 paths = None
                 if args.path:
                     paths = {sc: common_path(listing, truth) for sc, truth in PATH_SCENARIOS.items()}
-                    print(f"{tu}: one item's common path: " + ", ".join(
+                    print(f"{label}: one item's common path: " + ", ".join(
                         f"{sc} {n:.0f} instructions ({n / 32:.1f} a logit)" for sc, n in paths.items()))
-                loops[tu] = collections.Counter(w for _, w in loop)
+                loops[label] = collections.Counter(w for _, w in loop)
                 summary[f"{tu}:{name}"] = {"total": len(ins), "epilogue_lines": sum(epi.values()),
-                                           "item_loop": len(loop), "item_loop_by_line": dict(loops[tu]),
+                                           "item_loop": len(loop), "item_loop_by_line": dict(loops[label]),
                                            "common_path": paths,
                                            "by_opcode": dict(hist.most_common()),
                                            "epilogue_by_opcode": dict(epi.most_common())}
                 top = ", ".join(f"{k} {v}" for k, v in epi.most_common(14))
-                print(f"{tu}: {name[:60]}...: {len(ins)} instructions, {sum(epi.values())} from the epilogue's "
+                print(f"{label}: {name[:60]}...: {len(ins)} instructions, {sum(epi.values())} from the epilogue's "
                       f"sources ({top})")
     if args.loop and loops:
         tus = list(loops)
