@@ -37,8 +37,9 @@ struct Cfg {
 
 // FULL_K: D is a multiple of 64, every stage holds 4 k16 groups (straight-line wgmma issue). DZ: the backward
 // epilogue (wg_dz_epilogue) instead of the statistics. LOGITS: the statistics epilogue also stores the logits
-// (p.logits is set exactly when it is true; item_stats in stats_epilogue.cuh).
-template <int WM, int WGN, bool FULL_K, bool DZ, bool LOGITS = false>
+// (p.logits is set exactly when it is true; item_stats in stats_epilogue.cuh). PSTORE: the producer warpgroup stores
+// them instead (producer_logits; p.logits is set, LOGITS false).
+template <int WM, int WGN, bool FULL_K, bool DZ, bool LOGITS = false, bool PSTORE = false>
 __global__ void __launch_bounds__(kThreads, 1)
 fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                    const __grid_constant__ CUtensorMap map_o, const FusedParams p) {
@@ -82,7 +83,10 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     }
     if constexpr (!DZ) {
       __syncwarp();
-      if (!p.skip_epilogue) __syncthreads();   // the consumers' staging barrier (below)
+      if (!p.skip_epilogue) {
+        __syncthreads();   // the consumers' staging barrier (below)
+        if constexpr (PSTORE) producer_logits<WM, WGN, 4>(smem_u32(smem), p, m0, n0, threadIdx.x / 32);
+      }
     }
     return;
   }

@@ -302,4 +302,67 @@ __device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParam
   }
 }
 
+// The logits of a CTA's staged consumer tiles, stored by the producer warpgroup's NW warps (warp pw), which are
+// otherwise idle once the staging barrier has passed: the consumer warps' items then carry no logits code. Float4 j
+// of accumulator thread src = 32 w + 4 g + s holds columns 8 j + 2 s + {0, 1} of rows g (x, y) and g + 8 (z, w) of
+// warp w's 16 rows. A step of a warp takes columns [32 jg, 32 jg + 32) of one w, in four row pairs (g, g + 1 and
+// their + 8): lane (s, gpar, jj) = (lane % 4, lane / 4 % 2, lane / 8) reads float4 4 jg + jj of src with
+// g = 2 gp + gpar (each quarter warp's 8 loads hit 8 distinct 16-byte bank groups, 4 (g % 2) + (s ^ x)) and stores
+// two 8-byte pairs, so that each store instruction writes two whole 128-byte row segments. A CTA whose rows and
+// columns are all real, without bias and with 16-byte-aligned rows, stores without checks; others check each value
+// and add the bias as item_stats adds it.
+template <int WM, int WGN, int NW>
+__device__ __forceinline__ void producer_logits(uint32_t st, const FusedParams& p, int row0, int col0, int pw) {
+  constexpr int NJ = WGN / 32;               // column groups of 32 a consumer tile
+  constexpr int NS = kConsumers * 4 * NJ;    // steps: consumer tile, warp w, column group
+  constexpr int BM = 64 * WM, BN = WGN * kConsumers / WM;
+  const int lane = threadIdx.x % 32;
+  const int s = lane % 4, gpar = (lane / 4) % 2, jj = lane / 8;
+  const long long ld = p.n_real;
+  const bool fast = row0 + BM <= p.n_rows && col0 + BN <= p.n_real && p.logits_vec4 != 0 && p.bias == nullptr;
+#pragma unroll 1
+  for (int k = pw; k < NS; k += NW) {
+    const int jg = k % NJ, w = (k / NJ) % 4, c = k / (4 * NJ);
+    const int j = 4 * jg + jj;
+    const uint32_t sb = st + 16u * (c * (WGN * 16) + j * 128 + 32 * w + 4 * gpar + (s ^ ((j >> 1) & 3)));
+    const int r0 = row0 + 64 * (c % WM) + 16 * w + gpar;   // the lane's rows: r0 + 2 gp and r0 + 2 gp + 8
+    const int col = col0 + WGN * (c / WM) + 8 * j + 2 * s;
+    if (fast) {
+      float* base = p.logits + r0 * ld + col;
+#pragma unroll
+      for (int gp = 0; gp < 4; ++gp) {
+        const float4 v = ld_shared_v4(sb + 16u * (8 * gp));
+        __stcs(reinterpret_cast<float2*>(base + 2 * gp * ld), make_float2(v.x, v.y));
+        __stcs(reinterpret_cast<float2*>(base + (2 * gp + 8) * ld), make_float2(v.z, v.w));
+      }
+      continue;
+    }
+    const float b0 = (p.bias != nullptr && col < p.n_real) ? p.bias[col] : 0.0f;
+    const float b1 = (p.bias != nullptr && col + 1 < p.n_real) ? p.bias[col + 1] : 0.0f;
+#pragma unroll 1
+    for (int gp = 0; gp < 4; ++gp) {
+      float4 v = ld_shared_v4(sb + 16u * (8 * gp));
+      if (p.bias != nullptr) {
+        v.x = __fadd_rn(v.x, b0);
+        v.z = __fadd_rn(v.z, b0);
+        v.y = __fadd_rn(v.y, b1);
+        v.w = __fadd_rn(v.w, b1);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 2 * gp + 8 * h;
+        if (r >= p.n_rows) continue;
+        float* lr = p.logits + r * ld + col;
+        const float a = h ? v.z : v.x, b = h ? v.w : v.y;
+        if (p.logits_vec4 != 0 && col + 1 < p.n_real) {
+          __stcs(reinterpret_cast<float2*>(lr), make_float2(a, b));
+        } else {
+          if (col < p.n_real) __stcs(lr, a);
+          if (col + 1 < p.n_real) __stcs(lr + 1, b);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace sm90
