@@ -1,10 +1,11 @@
 """Interleaved A/B of forward launch configurations on one GPU: per N, `--rounds` rounds; each round times every
 configuration (2 warm-up calls, then `--iters` calls between two CUDA events), the order reversed every other round,
-so that a drift of the machine falls on all of them. The name `gemm` times cuBLAS's bf16 GEMM of the same shape
-(torch.mm, bf16 out) in the same rounds: the H200 runs these at its power limit, and its clock differs between the
-first rounds of a size and the later ones, so a ratio to the GEMM is fairest taken this way. Prints and writes (OUT/ab.json) the per-configuration medians
-and every round's figure. Single runs of the forward benchmark differ by up to ~4% on the H200 machine; this is the
-comparison to use for differences of that size. Defaults: D=4096, V=151936, T=1, bf16 random inputs.
+so that a drift of the machine falls on all of them (bench/interleave.py). The name `gemm` times cuBLAS's bf16 GEMM of
+the same shape (torch.mm, bf16 out) in the same rounds: the H200 runs these at its power limit, and its clock differs
+between the first rounds of a size and the later ones, so a ratio to the GEMM is fairest taken this way. Prints and
+writes (OUT/ab.json) the per-configuration medians and every round's figure. Single runs of the forward benchmark
+differ by up to ~4% on the H200 machine; this is the comparison to use for differences of that size. Defaults: D=4096,
+V=151936, T=1, bf16 random inputs.
 Usage: PYTHONPATH=src python -P bench/ab_launches.py [--n 2048,8192] [--launches gemm,a,b] [--rounds 7] [--iters 10]
        [--temperature 0.7] [--return-logits] [--tag t07]   (writes OUT/ab.json, or OUT/ab-TAG.json)"""
 import argparse
@@ -16,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/profile_forward.py (scripts run with -P)
+from interleave import interleaved_rounds  # noqa: E402
 from profile_forward import backend, forward_inputs  # noqa: E402
 
 
@@ -38,8 +40,6 @@ def main():
            "rounds": args.rounds, "iters": args.iters, "n": {}}
     for n in [int(x) for x in args.n.split(",")]:
         h, w, t, temp = forward_inputs(n, args.d, args.vocab, args.temperature)
-        times = {name: [] for name in names}
-
         def ours():
             be.linear_logp(h, w, t, bias=None, temperature=temp, return_logits=args.return_logits,
                            vocab_size=args.vocab)
@@ -47,20 +47,12 @@ def main():
         def gemm():
             torch.mm(h, w.t())
 
-        for r in range(args.rounds):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                call = gemm if name == "gemm" else ours
-                if name != "gemm":
-                    be.launch = name
-                for _ in range(2):
-                    call()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(args.iters):
-                    call()
-                e.record()
-                torch.cuda.synchronize()
-                times[name].append(s.elapsed_time(e) / args.iters)
+        def set_launch(name):
+            if name != "gemm":
+                be.launch = name
+
+        times = interleaved_rounds({name: gemm if name == "gemm" else ours for name in names}, args.rounds,
+                                   args.iters, before=set_launch)
         res["n"][n] = {name: {"median_ms": round(statistics.median(v), 3), "all": [round(x, 3) for x in v]}
                        for name, v in times.items()}
         print(n, json.dumps(res["n"][n]), flush=True)

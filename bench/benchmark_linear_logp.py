@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/peers.py (scripts run with -P)
 import peers as peer_lib  # noqa: E402
+from interleave import interleaved_rounds  # noqa: E402
 
 
 def _do_bench(fn, rep_ms):
@@ -40,25 +41,10 @@ def _do_bench(fn, rep_ms):
 
 
 def _interleaved(fns, est_ms, rounds=7, block_ms=20.0):
-    """Median ms a call of each of fns (name -> callable), all timed in the same rounds: a round times every one over
-    a block of ~block_ms of calls (est_ms: a call's rough time) after 2 warm-up calls, the order reversed every other
-    round, so that a drift of the clock falls on all of them."""
+    """Median ms a call of each of fns (name -> callable), all timed in the same rounds (bench/interleave.py), each
+    block ~block_ms of calls (est_ms: a call's rough time)."""
     iters = max(3, int(block_ms / max(est_ms, 1e-3)))
-    names = list(fns)
-    times = {k: [] for k in names}
-    for r in range(rounds):
-        for k in (names if r % 2 == 0 else names[::-1]):
-            fn = fns[k]
-            for _ in range(2):
-                fn()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(iters):
-                fn()
-            e.record()
-            torch.cuda.synchronize()
-            times[k].append(s.elapsed_time(e) / iters)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in interleaved_rounds(fns, rounds, iters).items()}
 
 
 def _peak_extra(fn):
