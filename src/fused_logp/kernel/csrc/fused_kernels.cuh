@@ -84,7 +84,8 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     if constexpr (!DZ) {
       __syncwarp();
       if (!p.skip_epilogue) {
-        __syncthreads();   // the consumers' staging barrier (below)
+        // the consumers' staging barrier (below), named: the producer and consumer warps reach it at different places
+        asm volatile("bar.sync %0, %1;" ::"n"(kStagedBar), "n"(kThreads) : "memory");
         if constexpr (PSTORE) producer_logits<WM, WGN, 4>(smem_u32(smem), p, m0, n0, threadIdx.x / 32);
       }
     }
@@ -145,10 +146,10 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
   {
     // Stage the accumulators in the (now idle) pipeline buffers once both consumer warpgroups are done with their
     // wgmma reads of them (named barrier 1), then the 8 consumer warps take the epilogue's items of either tile once
-    // all staging is written (a block barrier: the producer warps wait in it too).
+    // all staging is written (kStagedBar: the producer warps wait in it too).
     asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
     stage_acc_swz<WGN>(smem_u32(smem) + 16u * (c * (C::ACC / 4 * 128)), acc);
-    __syncthreads();
+    asm volatile("bar.sync %0, %1;" ::"n"(kStagedBar), "n"(kThreads) : "memory");
     cta_items_epilogue<WM, WGN, 128 * kConsumers / 32, LOGITS>(smem_u32(smem), p, m0, n0, threadIdx.x / 32 - 4);
   }
 }
