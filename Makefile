@@ -137,6 +137,13 @@ gpu-ab:
 			--out $${OUT:-out} --tag $${run%%:*} $${run#*:} || exit $$?; \
 	done
 
+# racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): the four variants of setmaxnreg and
+# a producer thread kept apart before the named barrier, each checking the values it read.
+gpu-racecheck-probe:
+	@mkdir -p build
+	nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -lineinfo tools/racecheck_probe.cu -o build/racecheck_probe
+	for v in 0 1 2 3; do compute-sanitizer --tool racecheck build/racecheck_probe $$v 2>&1 | grep -v "^=========     and" | tail -4; done
+
 # Power and SM clock while one workload repeats for POWER_SECONDS (default 6) at PROFILE_N rows (default 8192):
 # cuBLAS's bf16 GEMM, our mainloop alone, ours with the statistics, with the logits, at T = 0.7 (nvidia-smi samples
 # every 50 ms; bench/power_summary.py takes the median over the busy samples; `nvidia-smi -q -d PERFORMANCE` in the
