@@ -6,15 +6,18 @@
 // consumers up to 232); bit 1 producer thread 0 alone in a spin loop before the barrier (as it issues the TMA
 // loads); bit 2 the consumers' own `bar.sync 1, 256` before their stores; bit 3 the mainloop's mbarrier handshake
 // (producer thread 0 waits on `empty` and arrives on `full`, one thread of each consumer warpgroup the reverse, 8
-// rounds over a 4-slot ring). Each run checks the values it read.
+// rounds over a 4-slot ring); bit 4 that ring also fills each slot of the same shared bytes with a bulk copy from
+// global memory (as the TMA loads do; implies bit 3), which the consumers read before their stores (as wgmma does).
+// Each run checks the values it read.
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -lineinfo tools/racecheck_probe.cu -o build/racecheck_probe
-//   compute-sanitizer --tool racecheck build/racecheck_probe 0   (and 1 ... 15)
+//   compute-sanitizer --tool racecheck build/racecheck_probe 0   (and 1 ... 31)
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
 
 constexpr int kVec = 8;   // float4 a consumer thread writes
 constexpr int kSlots = 4, kRounds = 8;
+constexpr int kSlotVec = kVec * 256 / kSlots;   // float4 a slot
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -31,14 +34,17 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 }
 
 template <int V>
-__global__ void __launch_bounds__(384, 1) probe(float* out) {
-  constexpr bool SETMAXNREG = V & 1, DIVERGE = V & 2, CONSUMER_BAR = V & 4, MBAR = V & 8;
+__global__ void __launch_bounds__(384, 1) probe(float* out, const float4* src) {
+  constexpr bool SETMAXNREG = V & 1, DIVERGE = V & 2, CONSUMER_BAR = V & 4, MBAR = V & 24, BULK = V & 16;
   extern __shared__ float4 buf[];   // [kVec][256]
   __shared__ unsigned long long full[kSlots], empty[kSlots];
   if (threadIdx.x == 0) {
     for (int s = 0; s < kSlots; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[s])) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" ::"r"(smem_addr(&empty[s])) : "memory");
+      // without the bulk copies one thread of each consumer warpgroup releases a slot (as the kernel does after its
+      // wgmma wait); with them every consumer thread releases it after its own reads
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[s])), "n"(BULK ? 256 : 2)
+                   : "memory");
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -51,7 +57,16 @@ __global__ void __launch_bounds__(384, 1) probe(float* out) {
         if constexpr (MBAR) {
           for (int r = 0; r < kRounds; ++r) {
             mbar_wait(&empty[r % kSlots], ((r / kSlots) & 1) ^ 1);
-            mbar_arrive(&full[r % kSlots]);
+            if constexpr (BULK) {
+              constexpr unsigned bytes = kSlotVec * sizeof(float4);
+              const unsigned bar = smem_addr(&full[r % kSlots]);
+              asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "n"(bytes) : "memory");
+              asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                           ::"r"(smem_addr(buf + (r % kSlots) * kSlotVec)), "l"(src + (r % kSlots) * kSlotVec),
+                           "n"(bytes), "r"(bar) : "memory");
+            } else {
+              mbar_arrive(&full[r % kSlots]);
+            }
           }
         }
         if constexpr (DIVERGE) {
@@ -73,33 +88,45 @@ __global__ void __launch_bounds__(384, 1) probe(float* out) {
   }
   if constexpr (SETMAXNREG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int t = threadIdx.x - 128;
+  float seen = 0.0f;   // the bulk-copied bytes read (src is zeros)
   if constexpr (MBAR) {
     for (int r = 0; r < kRounds; ++r) {
       mbar_wait(&full[r % kSlots], (r / kSlots) & 1);
-      if (threadIdx.x % 128 == 0) mbar_arrive(&empty[r % kSlots]);
+      if constexpr (BULK) {
+        seen += buf[(r % kSlots) * kSlotVec + t].x + buf[(r % kSlots) * kSlotVec + 256 + t].y;
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the reads before the next bulk copy
+        mbar_arrive(&empty[r % kSlots]);
+      } else if (threadIdx.x % 128 == 0) {
+        mbar_arrive(&empty[r % kSlots]);
+      }
     }
   }
   if constexpr (CONSUMER_BAR) asm volatile("bar.sync 1, 256;" ::: "memory");
   for (int j = 0; j < kVec; ++j) buf[j * 256 + t] = make_float4(t, j, 1.0f, 2.0f);
   asm volatile("bar.sync 4, 384;" ::: "memory");
-  out[threadIdx.x] = buf[(t + 128) % 256].x;
+  out[threadIdx.x] = buf[(t + 128) % 256].x + seen;
 }
 
 int main(int argc, char** argv) {
   const int variant = argc > 1 ? atoi(argv[1]) : 0;
   float* out = nullptr;
+  float4* src = nullptr;
   cudaMalloc(&out, 384 * sizeof(float));
+  cudaMalloc(&src, kVec * 256 * sizeof(float4));
+  cudaMemset(src, 0, kVec * 256 * sizeof(float4));
   const int smem = kVec * 256 * sizeof(float4);
-  void (*const kernels[16])(float*) = {probe<0>, probe<1>, probe<2>,  probe<3>,  probe<4>,  probe<5>,
-                                       probe<6>, probe<7>, probe<8>,  probe<9>,  probe<10>, probe<11>,
-                                       probe<12>, probe<13>, probe<14>, probe<15>};
-  if (variant < 0 || variant > 15) {
-    fprintf(stderr, "racecheck_probe: variant must be in 0..15, got %d\n", variant);
+  using Kernel = void (*)(float*, const float4*);
+  const Kernel kernels[32] = {probe<0>,  probe<1>,  probe<2>,  probe<3>,  probe<4>,  probe<5>,  probe<6>,  probe<7>,
+                              probe<8>,  probe<9>,  probe<10>, probe<11>, probe<12>, probe<13>, probe<14>, probe<15>,
+                              probe<16>, probe<17>, probe<18>, probe<19>, probe<20>, probe<21>, probe<22>, probe<23>,
+                              probe<24>, probe<25>, probe<26>, probe<27>, probe<28>, probe<29>, probe<30>, probe<31>};
+  if (variant < 0 || variant > 31) {
+    fprintf(stderr, "racecheck_probe: variant must be in 0..31, got %d\n", variant);
     return 2;
   }
-  void (*k)(float*) = kernels[variant];
+  const Kernel k = kernels[variant];
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  k<<<4, 384, smem>>>(out);
+  k<<<4, 384, smem>>>(out, src);
   float h[384];
   cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost);
   const cudaError_t e = cudaGetLastError();
@@ -110,8 +137,8 @@ int main(int argc, char** argv) {
     bad += h[i] != want;
   }
   for (int t = 0; t < 256; ++t) bad += h[128 + t] != static_cast<float>((t + 128) % 256);
-  printf("variant %d (setmaxnreg %d, thread 0 apart %d, consumers' bar.sync 1 %d, mbarrier ring %d): %s, %d wrong "
-         "values\n", variant, variant & 1, (variant >> 1) & 1, (variant >> 2) & 1, (variant >> 3) & 1,
-         cudaGetErrorString(e), bad);
+  printf("variant %d (setmaxnreg %d, thread 0 apart %d, consumers' bar.sync 1 %d, mbarrier ring %d, bulk copies %d): "
+         "%s, %d wrong values\n", variant, variant & 1, (variant >> 1) & 1, (variant >> 2) & 1,
+         (variant & 24) != 0, (variant >> 4) & 1, cudaGetErrorString(e), bad);
   return (e != cudaSuccess || bad) ? 1 : 0;
 }
