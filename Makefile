@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power gpu-ab check-division sass-epilogue clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe check-division sass-epilogue clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
