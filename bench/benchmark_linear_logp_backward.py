@@ -18,6 +18,7 @@ from fused_logp.kernel import autograd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/peers.py (scripts run with -P)
 import peers as peer_lib  # noqa: E402
+from interleave import events_ms  # noqa: E402
 
 D, V = 4096, 151936
 
@@ -31,16 +32,7 @@ def _bench(fn, reps=10, warm=3, calls=1):
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    times.sort()
+    times = sorted(events_ms(fn, calls) for _ in range(reps))
     return times[len(times) // 2]
 
 

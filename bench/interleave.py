@@ -1,7 +1,19 @@
-"""Interleaved timing on one GPU, shared by bench/ab_launches.py and bench/benchmark_linear_logp.py: each round times
-every callable over `iters` calls between two CUDA events (2 warm-up calls first), the order reversed every other
-round, so that a drift of the machine (on the H200, its clock falling under the power limit) falls on all of them."""
+"""Timing on one GPU by CUDA events. events_ms: one block of calls between two events (also the backward benchmark's
+sample). interleaved_rounds, shared by bench/ab_launches.py and bench/benchmark_linear_logp.py: each round times every
+callable over `iters` calls (2 warm-up calls first), the order reversed every other round, so that a drift of the
+machine (on the H200, its clock falling under the power limit) falls on all of them."""
 import torch
+
+
+def events_ms(fn, calls):
+    """ms a call of `calls` back-to-back calls of fn, between two CUDA events (synchronised at the end)."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(calls):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / calls
 
 
 def interleaved_rounds(fns, rounds, iters, before=None):
@@ -16,11 +28,5 @@ def interleaved_rounds(fns, rounds, iters, before=None):
             fn = fns[k]
             for _ in range(2):
                 fn()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(iters):
-                fn()
-            e.record()
-            torch.cuda.synchronize()
-            times[k].append(s.elapsed_time(e) / iters)
+            times[k].append(events_ms(fn, iters))
     return times
