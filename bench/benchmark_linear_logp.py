@@ -61,9 +61,10 @@ def _peak_extra(fn):
 SMOKE_SHAPE = (70, 208, 1088, 1000)   # N, D, weight rows, V of --smoke
 
 
-def smoke(launches=None, shape=SMOKE_SHAPE):
+def smoke(launches=None, shape=SMOKE_SHAPE, bias=True):
     """Every entry and launch configuration (or those named) once on a small ragged shape (N, D, weight rows, V:
-    by default N=70, D=208, V=1000 of 1088 rows)."""
+    by default N=70, D=208, V=1000 of 1088 rows); with or without a bias (without one, tiles whose rows and columns
+    are all real store their logits on the unchecked path)."""
     from fused_logp.kernel.sm90 import LAUNCHES, SM90Backend
 
     be = SM90Backend()
@@ -74,7 +75,7 @@ def smoke(launches=None, shape=SMOKE_SHAPE):
     n, d, rows, v = shape
     h = torch.randn(n, d, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn(rows, d, generator=g, device="cuda") * 0.1).to(torch.bfloat16)
-    b = torch.randn(rows, generator=g, device="cuda")
+    b = torch.randn(rows, generator=g, device="cuda") if bias else None
     tg = torch.randint(0, v, (n,), generator=g, device="cuda")
     t = torch.rand(n, generator=g, device="cuda") + 0.5
     ref = None
@@ -86,11 +87,12 @@ def smoke(launches=None, shape=SMOKE_SHAPE):
             ref = out
         assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)), var
     be.launch = "auto"
-    st = be.shard_stats(h, w[512:].contiguous(), tg, vocab_start=512, vocab_size=v, bias=b[512:].contiguous(),
-                        temperature=t, return_logits=True)
+    st = be.shard_stats(h, w[512:].contiguous(), tg, vocab_start=512, vocab_size=v,
+                        bias=None if b is None else b[512:].contiguous(), temperature=t, return_logits=True)
     be.stats_from_logits(ref[2], tg, temperature=t, vocab_size=v)
     torch.cuda.synchronize()
-    print("smoke ok:", 1 + len(names), "launch configurations,", (n, d, rows, v), tuple(st["tile_max"].shape))
+    print("smoke ok:", 1 + len(names), "launch configurations,", (n, d, rows, v), tuple(st["tile_max"].shape),
+          "bias" if bias else "no bias")
 
 
 def main():
@@ -113,11 +115,12 @@ def main():
     ap.add_argument("--smoke-launches", default="", help="with --smoke: only these configurations (and auto)")
     ap.add_argument("--smoke-shape", default=",".join(map(str, SMOKE_SHAPE)),
                     help="with --smoke: N,D,weight rows,V (e.g. 300,320,12160,12000: more 128x256 tiles than SMs, so "
-                         "a persistent CTA takes several)")
+                         "the CTAs run in more than one wave)")
+    ap.add_argument("--smoke-no-bias", action="store_true", help="with --smoke: no bias")
     args = ap.parse_args()
     if args.smoke:
         return smoke([x for x in args.smoke_launches.split(",") if x] or None,
-                     tuple(int(x) for x in args.smoke_shape.split(",")))
+                     tuple(int(x) for x in args.smoke_shape.split(",")), bias=not args.smoke_no_bias)
 
     from fused_logp.kernel.sm90 import SM90Backend
 
