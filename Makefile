@@ -145,13 +145,16 @@ gpu-ab:
 			--out $${OUT:-out} --tag $${run%%:*} $${run#*:} || exit $$?; \
 	done
 
-# racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 32 variants, each with or without
-# one of the kernel's features (setmaxnreg, a producer thread apart before the named barrier, the consumers' own named
-# barrier, the mbarrier ring, bulk copies into the same shared bytes), each checking the values it read. Prints each variant's line and racecheck's summary.
+# racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 64 variants, each with or without
+# one of the kernel's features (setmaxnreg, a producer thread apart before the handoff barrier, the consumers' own
+# named barrier, the mbarrier ring, bulk copies into the same shared bytes, the handoff as the non-aligned
+# `barrier.sync`), each checking the values it read. PROBE_VARIANTS picks some. Prints each variant's line and
+# racecheck's summary.
+PROBE_VARIANTS ?= $(shell seq 0 63)
 gpu-racecheck-probe:
 	@mkdir -p build
 	nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -lineinfo tools/racecheck_probe.cu -o build/racecheck_probe
-	for v in $$(seq 0 31); do compute-sanitizer --tool racecheck build/racecheck_probe $$v 2>&1 | grep "^variant\|SUMMARY"; done
+	for v in $(PROBE_VARIANTS); do compute-sanitizer --tool racecheck build/racecheck_probe $$v 2>&1 | grep "^variant\|SUMMARY"; done
 
 # Power and SM clock while one workload repeats for POWER_SECONDS (default 6) at PROFILE_N rows (default 8192):
 # cuBLAS's bf16 GEMM, our mainloop alone, ours with the statistics, with the logits, at T = 0.7 (nvidia-smi samples

@@ -2,18 +2,22 @@
 // warpgroup's shared-memory reads after two consumer warpgroups' writes? The shape of fused_cta_kernel's staged
 // logits handoff (fused_kernels.cuh, kStagedBar), stripped of everything else: 384 threads; warpgroup 0 reads what
 // warpgroups 1 and 2 wrote, after `bar.sync 4, 384`; the consumers also read each other's part. Variants (argv[1],
-// 0-15), one feature of the kernel a bit: bit 0 the warpgroups' setmaxnreg (producer down to 40 registers,
+// 0-63), one feature of the kernel a bit: bit 0 the warpgroups' setmaxnreg (producer down to 40 registers,
 // consumers up to 232); bit 1 producer thread 0 alone in a spin loop before the barrier (as it issues the TMA
 // loads); bit 2 the consumers' own `bar.sync 1, 256` before their stores; bit 3 the mainloop's mbarrier handshake
 // (producer thread 0 waits on `empty` and arrives on `full`, one thread of each consumer warpgroup the reverse, 8
 // rounds over a 4-slot ring); bit 4 that ring also fills each slot of the same shared bytes with a bulk copy from
 // global memory (as the TMA loads do; implies bit 3), which the consumers read before their stores (as wgmma does).
-// Each run checks the values it read.
+// Bit 5: the handoff barrier is PTX's non-aligned `barrier.sync 4, 384` (the producer and the consumers reach it at
+// different instructions, which `bar.sync`, i.e. `barrier.sync.aligned`, does not allow). Each run checks the values
+// it read.
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -lineinfo tools/racecheck_probe.cu -o build/racecheck_probe
-//   compute-sanitizer --tool racecheck build/racecheck_probe 0   (and 1 ... 31)
+//   compute-sanitizer --tool racecheck build/racecheck_probe 0   (and 1 ... 63)
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+#include <utility>
 
 constexpr int kVec = 8;   // float4 a consumer thread writes
 constexpr int kSlots = 4, kRounds = 8;
@@ -33,9 +37,20 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
   } while (!done);
 }
 
+// the handoff barrier of the whole CTA, reached by the producer and the consumers at different instructions
+template <bool SPLIT>
+__device__ __forceinline__ void handoff() {
+  if constexpr (SPLIT) {
+    asm volatile("barrier.sync 4, 384;" ::: "memory");
+  } else {
+    asm volatile("bar.sync 4, 384;" ::: "memory");
+  }
+}
+
 template <int V>
 __global__ void __launch_bounds__(384, 1) probe(float* out, const float4* src) {
   constexpr bool SETMAXNREG = V & 1, DIVERGE = V & 2, CONSUMER_BAR = V & 4, MBAR = V & 24, BULK = V & 16;
+  constexpr bool SPLIT = V & 32;
   extern __shared__ float4 buf[];   // [kVec][256]
   __shared__ unsigned long long full[kSlots], empty[kSlots];
   if (threadIdx.x == 0) {
@@ -77,7 +92,7 @@ __global__ void __launch_bounds__(384, 1) probe(float* out, const float4* src) {
       }
       __syncwarp();
     }
-    asm volatile("bar.sync 4, 384;" ::: "memory");
+    handoff<SPLIT>();
     float s = 0.0f;
     for (int i = threadIdx.x; i < kVec * 256; i += 128) {
       const float4 v = buf[i];
@@ -103,8 +118,15 @@ __global__ void __launch_bounds__(384, 1) probe(float* out, const float4* src) {
   }
   if constexpr (CONSUMER_BAR) asm volatile("bar.sync 1, 256;" ::: "memory");
   for (int j = 0; j < kVec; ++j) buf[j * 256 + t] = make_float4(t, j, 1.0f, 2.0f);
-  asm volatile("bar.sync 4, 384;" ::: "memory");
+  handoff<SPLIT>();
   out[threadIdx.x] = buf[(t + 128) % 256].x + seen;
+}
+
+constexpr int kVariants = 64;
+using Kernel = void (*)(float*, const float4*);
+template <int... I>
+constexpr std::array<Kernel, sizeof...(I)> kernel_table(std::integer_sequence<int, I...>) {
+  return {probe<I>...};
 }
 
 int main(int argc, char** argv) {
@@ -115,13 +137,9 @@ int main(int argc, char** argv) {
   cudaMalloc(&src, kVec * 256 * sizeof(float4));
   cudaMemset(src, 0, kVec * 256 * sizeof(float4));
   const int smem = kVec * 256 * sizeof(float4);
-  using Kernel = void (*)(float*, const float4*);
-  const Kernel kernels[32] = {probe<0>,  probe<1>,  probe<2>,  probe<3>,  probe<4>,  probe<5>,  probe<6>,  probe<7>,
-                              probe<8>,  probe<9>,  probe<10>, probe<11>, probe<12>, probe<13>, probe<14>, probe<15>,
-                              probe<16>, probe<17>, probe<18>, probe<19>, probe<20>, probe<21>, probe<22>, probe<23>,
-                              probe<24>, probe<25>, probe<26>, probe<27>, probe<28>, probe<29>, probe<30>, probe<31>};
-  if (variant < 0 || variant > 31) {
-    fprintf(stderr, "racecheck_probe: variant must be in 0..31, got %d\n", variant);
+  constexpr auto kernels = kernel_table(std::make_integer_sequence<int, kVariants>{});
+  if (variant < 0 || variant >= kVariants) {
+    fprintf(stderr, "racecheck_probe: variant must be in 0..%d, got %d\n", kVariants - 1, variant);
     return 2;
   }
   const Kernel k = kernels[variant];
@@ -137,8 +155,8 @@ int main(int argc, char** argv) {
     bad += h[i] != want;
   }
   for (int t = 0; t < 256; ++t) bad += h[128 + t] != static_cast<float>((t + 128) % 256);
-  printf("variant %d (setmaxnreg %d, thread 0 apart %d, consumers' bar.sync 1 %d, mbarrier ring %d, bulk copies %d): "
-         "%s, %d wrong values\n", variant, variant & 1, (variant >> 1) & 1, (variant >> 2) & 1,
-         (variant & 24) != 0, (variant >> 4) & 1, cudaGetErrorString(e), bad);
+  printf("variant %d (setmaxnreg %d, thread 0 apart %d, consumers' bar.sync 1 %d, mbarrier ring %d, bulk copies %d, "
+         "barrier.sync %d): %s, %d wrong values\n", variant, variant & 1, (variant >> 1) & 1, (variant >> 2) & 1,
+         (variant & 24) != 0, (variant >> 4) & 1, (variant >> 5) & 1, cudaGetErrorString(e), bad);
   return (e != cudaSuccess || bad) ? 1 : 0;
 }

@@ -85,7 +85,7 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
       __syncwarp();
       if (!p.skip_epilogue) {
         // the consumers' staging barrier (below), named: the producer and consumer warps reach it at different places
-        asm volatile("bar.sync %0, %1;" ::"n"(kStagedBar), "n"(kThreads) : "memory");
+        named_bar_sync_split<kStagedBar, kThreads>();
         if constexpr (PSTORE) producer_logits<WM, WGN, 4>(smem_u32(smem), p, m0, n0, threadIdx.x / 32);
       }
     }
@@ -126,7 +126,7 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
   if constexpr (DZ) {
     // stage in the pipeline buffers once both consumer warpgroups are done reading them (named barrier 1)
     static_assert(kConsumers * 64 * WGN * 2 <= C::STAGES * C::STAGE_BYTES, "dz staging fits");
-    asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
+    named_bar_sync<1, 128 * kConsumers>();
     // per-row factors loaded here, not before the mainloop: live across it they cost the registers that keep
     // the wgmma pipeline unserialised (ptxas C7515); the rows are hot in L2 (every CTA of the M tile reads them)
     const DzRows dr = load_dz_rows(p, thread_row_base(m0 + wm * 64));
@@ -147,9 +147,9 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     // Stage the accumulators in the (now idle) pipeline buffers once both consumer warpgroups are done with their
     // wgmma reads of them (named barrier 1), then the 8 consumer warps take the epilogue's items of either tile once
     // all staging is written (kStagedBar: the producer warps wait in it too).
-    asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
+    named_bar_sync<1, 128 * kConsumers>();
     stage_acc_swz<WGN>(smem_u32(smem) + 16u * (c * (C::ACC / 4 * 128)), acc);
-    asm volatile("bar.sync %0, %1;" ::"n"(kStagedBar), "n"(kThreads) : "memory");
+    named_bar_sync_split<kStagedBar, kThreads>();
     cta_items_epilogue<WM, WGN, 128 * kConsumers / 32, LOGITS>(smem_u32(smem), p, m0, n0, threadIdx.x / 32 - 4);
   }
 }

@@ -23,6 +23,19 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
+// ---- named barriers ---------------------------------------------------------------------------------------
+// COUNT threads (whole warps) meet at barrier ID. named_bar_sync: every participant executes this same instruction
+// (`bar.sync`, PTX's `barrier.sync.aligned`). named_bar_sync_split: the participants reach the barrier at different
+// instructions (e.g. the producer's and the consumers' paths), for which PTX requires the non-aligned `barrier.sync`.
+template <int ID, int COUNT>
+__device__ __forceinline__ void named_bar_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(COUNT) : "memory");
+}
+template <int ID, int COUNT>
+__device__ __forceinline__ void named_bar_sync_split() {
+  asm volatile("barrier.sync %0, %1;" ::"n"(ID), "n"(COUNT) : "memory");
+}
+
 // ---- mbarrier --------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
