@@ -145,12 +145,12 @@ gpu-ab:
 			--out $${OUT:-out} --tag $${run%%:*} $${run#*:} || exit $$?; \
 	done
 
-# racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 64 variants, each with or without
+# racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 128 variants, each with or without
 # one of the kernel's features (setmaxnreg, a producer thread apart before the handoff barrier, the consumers' own
 # named barrier, the mbarrier ring, bulk copies into the same shared bytes, the handoff as the non-aligned
-# `barrier.sync`), each checking the values it read. PROBE_VARIANTS picks some. Prints each variant's line and
+# `barrier.sync`, barrier 1 of the whole CTA), each checking the values it read. PROBE_VARIANTS picks some. Prints each variant's line and
 # racecheck's summary.
-PROBE_VARIANTS ?= $(shell seq 0 63)
+PROBE_VARIANTS ?= $(shell seq 0 127)
 gpu-racecheck-probe:
 	@mkdir -p build
 	nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -lineinfo tools/racecheck_probe.cu -o build/racecheck_probe

@@ -2,17 +2,18 @@
 // warpgroup's shared-memory reads after two consumer warpgroups' writes? The shape of fused_cta_kernel's staged
 // logits handoff (fused_kernels.cuh, kStagedBar), stripped of everything else: 384 threads; warpgroup 0 reads what
 // warpgroups 1 and 2 wrote, after `bar.sync 4, 384`; the consumers also read each other's part. Variants (argv[1],
-// 0-63), one feature of the kernel a bit: bit 0 the warpgroups' setmaxnreg (producer down to 40 registers,
+// 0-127), one feature of the kernel a bit: bit 0 the warpgroups' setmaxnreg (producer down to 40 registers,
 // consumers up to 232); bit 1 producer thread 0 alone in a spin loop before the barrier (as it issues the TMA
 // loads); bit 2 the consumers' own `bar.sync 1, 256` before their stores; bit 3 the mainloop's mbarrier handshake
 // (producer thread 0 waits on `empty` and arrives on `full`, one thread of each consumer warpgroup the reverse, 8
 // rounds over a 4-slot ring); bit 4 that ring also fills each slot of the same shared bytes with a bulk copy from
 // global memory (as the TMA loads do; implies bit 3), which the consumers read before their stores (as wgmma does).
 // Bit 5: the handoff barrier is PTX's non-aligned `barrier.sync 4, 384` (the producer and the consumers reach it at
-// different instructions, which `bar.sync`, i.e. `barrier.sync.aligned`, does not allow). Each run checks the values
-// it read.
+// different instructions, which `bar.sync`, i.e. `barrier.sync.aligned`, does not allow). Bit 6: barrier 1 is the
+// whole CTA's instead (`barrier.sync 1, 384`: the producer warpgroup joins the consumers' barrier before their
+// stores). Each run checks the values it read.
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -lineinfo tools/racecheck_probe.cu -o build/racecheck_probe
-//   compute-sanitizer --tool racecheck build/racecheck_probe 0   (and 1 ... 63)
+//   compute-sanitizer --tool racecheck build/racecheck_probe 0   (and 1 ... 127)
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -50,7 +51,7 @@ __device__ __forceinline__ void handoff() {
 template <int V>
 __global__ void __launch_bounds__(384, 1) probe(float* out, const float4* src) {
   constexpr bool SETMAXNREG = V & 1, DIVERGE = V & 2, CONSUMER_BAR = V & 4, MBAR = V & 24, BULK = V & 16;
-  constexpr bool SPLIT = V & 32;
+  constexpr bool SPLIT = V & 32, WHOLE_BAR1 = V & 64;
   extern __shared__ float4 buf[];   // [kVec][256]
   __shared__ unsigned long long full[kSlots], empty[kSlots];
   if (threadIdx.x == 0) {
@@ -92,6 +93,7 @@ __global__ void __launch_bounds__(384, 1) probe(float* out, const float4* src) {
       }
       __syncwarp();
     }
+    if constexpr (WHOLE_BAR1) asm volatile("barrier.sync 1, 384;" ::: "memory");
     handoff<SPLIT>();
     float s = 0.0f;
     for (int i = threadIdx.x; i < kVec * 256; i += 128) {
@@ -116,13 +118,17 @@ __global__ void __launch_bounds__(384, 1) probe(float* out, const float4* src) {
       }
     }
   }
-  if constexpr (CONSUMER_BAR) asm volatile("bar.sync 1, 256;" ::: "memory");
+  if constexpr (WHOLE_BAR1) {
+    asm volatile("barrier.sync 1, 384;" ::: "memory");
+  } else if constexpr (CONSUMER_BAR) {
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+  }
   for (int j = 0; j < kVec; ++j) buf[j * 256 + t] = make_float4(t, j, 1.0f, 2.0f);
   handoff<SPLIT>();
   out[threadIdx.x] = buf[(t + 128) % 256].x + seen;
 }
 
-constexpr int kVariants = 64;
+constexpr int kVariants = 128;
 using Kernel = void (*)(float*, const float4*);
 template <int... I>
 constexpr std::array<Kernel, sizeof...(I)> kernel_table(std::integer_sequence<int, I...>) {
@@ -156,7 +162,8 @@ int main(int argc, char** argv) {
   }
   for (int t = 0; t < 256; ++t) bad += h[128 + t] != static_cast<float>((t + 128) % 256);
   printf("variant %d (setmaxnreg %d, thread 0 apart %d, consumers' bar.sync 1 %d, mbarrier ring %d, bulk copies %d, "
-         "barrier.sync %d): %s, %d wrong values\n", variant, variant & 1, (variant >> 1) & 1, (variant >> 2) & 1,
-         (variant & 24) != 0, (variant >> 4) & 1, (variant >> 5) & 1, cudaGetErrorString(e), bad);
+         "barrier.sync %d, barrier 1 whole CTA %d): %s, %d wrong values\n", variant, variant & 1, (variant >> 1) & 1,
+         (variant >> 2) & 1, (variant & 24) != 0, (variant >> 4) & 1, (variant >> 5) & 1, (variant >> 6) & 1,
+         cudaGetErrorString(e), bad);
   return (e != cudaSuccess || bad) ? 1 : 0;
 }

@@ -84,7 +84,8 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     if constexpr (!DZ) {
       __syncwarp();
       if (!p.skip_epilogue) {
-        // the consumers' staging barrier (below), named: the producer and consumer warps reach it at different places
+        // the consumers' two staging barriers (below): the producer and consumer warps reach them at different places
+        named_bar_sync_split<1, kThreads>();
         named_bar_sync_split<kStagedBar, kThreads>();
         if constexpr (PSTORE) producer_logits<WM, WGN, 4>(smem_u32(smem), p, m0, n0, threadIdx.x / 32);
       }
@@ -146,8 +147,10 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
   {
     // Stage the accumulators in the (now idle) pipeline buffers once both consumer warpgroups are done with their
     // wgmma reads of them (named barrier 1), then the 8 consumer warps take the epilogue's items of either tile once
-    // all staging is written (kStagedBar: the producer warps wait in it too).
-    named_bar_sync<1, 128 * kConsumers>();
+    // all staging is written (kStagedBar). The producer warps, idle by then, wait in both: with barrier 1 of the
+    // consumers alone, racecheck reports the producer's reads of the staging after kStagedBar (tools/racecheck_probe.cu
+    // reproduces that with correct values; bench/NOTES-sm90.md).
+    named_bar_sync_split<1, kThreads>();
     stage_acc_swz<WGN>(smem_u32(smem) + 16u * (c * (C::ACC / 4 * 128)), acc);
     named_bar_sync_split<kStagedBar, kThreads>();
     cta_items_epilogue<WM, WGN, 128 * kConsumers / 32, LOGITS>(smem_u32(smem), p, m0, n0, threadIdx.x / 32 - 4);

@@ -14,8 +14,9 @@ constexpr int kGroupsPerStage = kBK / contract::K_GROUP;
 static_assert(kGroupsPerStage * contract::K_GROUP == kBK, "stage holds whole k16 groups");
 constexpr int kConsumers = 2;           // consumer warpgroups
 constexpr int kThreads = 128 * (kConsumers + 1);   // + the producer warpgroup
-// Named barriers (bar.sync ids) of the CTA kernel: 0 the block's, 1 the consumer warpgroups' (staging may begin),
-// 2 and 3 each consumer's dz store (dz_epilogue.cuh), kStagedBar the whole CTA's (the staged accumulators are written).
+// Named barriers (bar.sync ids) of the CTA kernel: 0 the block's, 1 staging may begin (the consumer warpgroups' in
+// the backward, the whole CTA's in the forward), 2 and 3 each consumer's dz store (dz_epilogue.cuh), kStagedBar the
+// whole CTA's (the staged accumulators are written).
 constexpr int kStagedBar = 4;
 constexpr int kGroupM = 16;             // grid raster: M tiles per group (L2 reuse of the weight tiles)
 
