@@ -132,10 +132,10 @@ gpu-kernel-profile:
 	done
 	cd $${OUT:-out} && tar -czf ncu.tgz ncu && rm -rf ncu
 
-# Interleaved A/B of AB_LAUNCHES (default: cuBLAS's bf16 GEMM, `gemm`, the default tile, `cta-128x256`, and its
-# producer-stored logits, `-pstore`) at AB_N rows: at T = 1, at T = 0.7 and with the logits (bench/ab_launches.py; 7 rounds each),
+# Interleaved A/B of AB_LAUNCHES (default: cuBLAS's bf16 GEMM, `gemm`, and the default tile, `cta-128x256`; a
+# candidate configuration is added to the list) at AB_N rows: at T = 1, at T = 0.7 and with the logits (bench/ab_launches.py; 7 rounds each),
 # into $OUT/ab-t1.json, ab-t07.json, ab-logits.json.
-AB_LAUNCHES ?= gemm,cta-128x256,cta-128x256-pstore
+AB_LAUNCHES ?= gemm,cta-128x256
 AB_N ?= 256,2048,8192
 gpu-ab:
 	@mkdir -p $${OUT:-out}

@@ -107,7 +107,6 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<2, 256, true>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
                                               cudaStream_t);
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
