@@ -148,8 +148,8 @@ gpu-ab:
 # racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 128 variants, each with or without
 # one of the kernel's features (setmaxnreg, a producer thread apart before the handoff barrier, the consumers' own
 # named barrier, the mbarrier ring, bulk copies into the same shared bytes, the handoff as the non-aligned
-# `barrier.sync`, barrier 1 of the whole CTA), each checking the values it read. PROBE_VARIANTS picks some. Prints each variant's line and
-# racecheck's summary.
+# `barrier.sync`, barrier 1 of the whole CTA), each checking the values it read. PROBE_VARIANTS picks some (all 128
+# take longer than one 10-minute call). Prints each variant's line and racecheck's summary.
 PROBE_VARIANTS ?= $(shell seq 0 127)
 gpu-racecheck-probe:
 	@mkdir -p build
