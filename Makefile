@@ -80,12 +80,15 @@ bench-fwd-peers: peer-site
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS)
 
 # One call on the SM90 machine after a kernel change: the extension build, a hang guard (a barrier or expect-tx
-# mistake hangs a kernel; 150 s), `make test-gpu`, compute-sanitizer memcheck and racecheck on the smoke run of
-# SMOKE_LAUNCHES (and auto) at the default shape and at SMOKE_SHAPE (more 128x256 tiles than SMs), then the forward
-# benchmark with the peers and FWD_ARGS. Logs under $OUT; the round stops at the first failing step, except that
-# sanitizer findings (compute-sanitizer --error-exitcode 9) are listed in $OUT/sanitizer-findings.txt and fail the
-# round after the benchmark has run.
+# mistake hangs a kernel; 150 s), `make test-gpu`, compute-sanitizer memcheck, racecheck and synccheck on the smoke
+# run of SMOKE_LAUNCHES (and auto) at the default shape, at SMOKE_SHAPE (more 128x256 tiles than SMs) and without
+# bias at SMOKE_NOBIAS_SHAPE, then the forward benchmark with the peers and FWD_ARGS. Logs under $OUT (the
+# sanitizers' in one file, sanitizers.txt); the round stops at the first failing step, except that sanitizer
+# findings (compute-sanitizer --error-exitcode 9) are listed in $OUT/sanitizer-findings.txt and fail the round after
+# the benchmark has run.
 SMOKE_SHAPE ?= 300,320,12160,12000
+# full tiles without bias: the producer stores' unchecked path
+SMOKE_NOBIAS_SHAPE ?= 256,320,12288,12288
 # the extension built (or loaded) once; exit 4 when the backend is unavailable
 SM90_BUILD = $(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; ok = SM90Backend().available(); \
 	print(ok); raise SystemExit(0 if ok[0] else 4)"
@@ -95,13 +98,15 @@ gpu-kernel-round: peer-site
 	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -v -x -p no:cacheprovider tests/test_sm90.py -k "launch_names or l1_repeat" \
 		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; grep -o "test_[a-z_0-9]*\[[^]]*\] [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/guard.txt | tail -12; exit $$rc
 	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
-	@rm -f $${OUT:-out}/sanitizer-findings.txt
-	for tool in memcheck racecheck; do for shape in 70,208,1088,1000 $(SMOKE_SHAPE); do \
-		log=$${OUT:-out}/sanitizer-$$tool-$$(echo $$shape | tr , _).txt; \
+	@rm -f $${OUT:-out}/sanitizer-findings.txt $${OUT:-out}/sanitizers.txt
+	for tool in memcheck racecheck synccheck; do for run in 70,208,1088,1000 $(SMOKE_SHAPE) $(SMOKE_NOBIAS_SHAPE):nobias; do \
+		shape=$${run%:nobias}; flags=$$([ $$shape = $$run ] || echo --smoke-no-bias); \
+		log=$${OUT:-out}/sanitizer-run.txt; \
 		$(GPU_ENV) timeout 120 compute-sanitizer --tool $$tool --error-exitcode 9 $(PYTHON) -P bench/benchmark_linear_logp.py \
-			--smoke --smoke-launches "$(SMOKE_LAUNCHES)" --smoke-shape $$shape > $$log 2>&1; \
-		rc=$$?; echo "$$tool $$shape rc=$$rc"; tail -2 $$log; \
-		if [ $$rc = 9 ]; then echo "$$tool $$shape" >> $${OUT:-out}/sanitizer-findings.txt; elif [ $$rc != 0 ]; then exit $$rc; fi; \
+			--smoke --smoke-launches "$(SMOKE_LAUNCHES)" --smoke-shape $$shape $$flags > $$log 2>&1; \
+		rc=$$?; echo "$$tool $$run rc=$$rc"; tail -2 $$log; \
+		{ echo "== $$tool $$run rc=$$rc"; cat $$log; } >> $${OUT:-out}/sanitizers.txt; rm -f $$log; \
+		if [ $$rc = 9 ]; then echo "$$tool $$run" >> $${OUT:-out}/sanitizer-findings.txt; elif [ $$rc != 0 ]; then exit $$rc; fi; \
 	done; done
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS) > $${OUT:-out}/bench.log 2>&1; rc=$$?; \
 		grep -v "^liger\|^cce\|^quack" $${OUT:-out}/bench.log | tail -40; [ $$rc = 0 ] || exit $$rc
