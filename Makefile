@@ -162,20 +162,26 @@ gpu-racecheck-probe:
 	for v in $(PROBE_VARIANTS); do compute-sanitizer --tool racecheck build/racecheck_probe $$v 2>&1 | grep "^variant\|SUMMARY"; done
 
 # Power and SM clock while one workload repeats for POWER_SECONDS (default 6) at PROFILE_N rows (default 8192):
-# cuBLAS's bf16 GEMM, our mainloop alone, ours with the statistics, with the logits, at T = 0.7 (nvidia-smi samples
-# every 50 ms; bench/power_summary.py takes the median over the busy samples; `nvidia-smi -q -d PERFORMANCE` in the
-# middle of each run names the active clock-event reasons, e.g. the software power cap). Whether the forward is
-# bound by the power limit decides whether work beside the mainloop can be hidden at all.
+# cuBLAS's bf16 GEMM, our mainloop alone, ours with the statistics, with the logits, at T = 0.7, then the backward's
+# four cuBLAS GEMMs and our forward + backward (bench/profile_linear_logp_backward.py; it prints the ms a step)
+# (nvidia-smi samples every 50 ms; bench/power_summary.py takes the median over the busy samples; `nvidia-smi -q -d
+# PERFORMANCE` in the middle of each run names the active clock-event reasons, e.g. the software power cap). Whether
+# a workload is bound by the power limit decides whether work beside its GEMMs can be hidden at all.
 gpu-power:
 	@mkdir -p $${OUT:-out}/power
 	$(SM90_BUILD)
-	for run in "gemm:--gemm" "mainloop:--mainloop-only" "stats:" "logits:--return-logits" "t07:--temperature 0.7"; do \
+	for run in "gemm:--gemm" "mainloop:--mainloop-only" "stats:" "logits:--return-logits" "t07:--temperature 0.7" \
+			"bwd-gemms:--gemms" "bwd:"; do \
 		name=$${run%%:*}; flags=$${run#*:}; \
 		nvidia-smi --query-gpu=power.draw,power.limit,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader,nounits \
 			-lms 50 > $${OUT:-out}/power/$$name.csv 2>&1 & smi=$$!; \
 		( sleep 4; nvidia-smi -q -d PERFORMANCE,POWER,CLOCK > $${OUT:-out}/power/$$name-perf.txt 2>&1 ) & \
-		$(GPU_ENV) timeout 60 $(PYTHON) -P bench/profile_forward.py --n $(or $(PROFILE_N),8192) \
-			--launch $(or $(PROFILE_LAUNCH),cta-128x256) --seconds $(or $(POWER_SECONDS),6) $$flags; \
+		case $$name in \
+		bwd*) $(GPU_ENV) timeout 90 $(PYTHON) -P bench/profile_linear_logp_backward.py --n $(or $(PROFILE_N),8192) \
+			--seconds $(or $(POWER_SECONDS),6) $$flags;; \
+		*) $(GPU_ENV) timeout 60 $(PYTHON) -P bench/profile_forward.py --n $(or $(PROFILE_N),8192) \
+			--launch $(or $(PROFILE_LAUNCH),cta-128x256) --seconds $(or $(POWER_SECONDS),6) $$flags;; \
+		esac; \
 		kill $$smi; wait; sleep 2; \
 	done
 	$(PYTHON) bench/power_summary.py $${OUT:-out}/power $${OUT:-out}/power/*.csv

@@ -1,6 +1,8 @@
 """Where the time of one forward + backward goes (D=4096, V=151936): host time of each phase and the GPU timeline
 from torch.profiler (kernel time per name, and the GPU idle time inside the step). Prints a summary; writes the
-table and a Chrome trace under --out."""
+table and a Chrome trace under --out. `--seconds S` instead repeats the step for S seconds and prints the time a step
+(for power and clock sampling, `make gpu-power`); `--gemms` makes the step the backward's four cuBLAS bf16 GEMMs of the
+same shapes (the forward's logits, their recomputation, dh and dw from a bf16 dz), the reference workload."""
 from __future__ import annotations
 
 import argparse
@@ -14,10 +16,29 @@ from fused_logp import linear_logp
 D, V = 4096, 151936
 
 
+def repeat(fn, seconds: float, n: int, what: str):
+    """fn repeated for `seconds` (synchronised every 4 calls, after 3 warm-up calls); prints the calls and ms a call."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    calls, t0 = 0, time.time()
+    while time.time() - t0 < seconds:
+        fn()
+        calls += 1
+        if calls % 4 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    dt = time.time() - t0
+    print(f"profile_linear_logp_backward: {calls} calls of {what} at N={n} in {dt:.1f} s, "
+          f"{1e3 * dt / calls:.2f} ms a call")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--seconds", type=float, default=0.0)
+    p.add_argument("--gemms", action="store_true")
     args = p.parse_args()
     n = args.n
     h = torch.randn(n, D, device="cuda").bfloat16().requires_grad_()
@@ -29,6 +50,16 @@ def main():
         r = linear_logp(h, w, t)
         r.logp.sum().backward()
 
+    def gemms():
+        with torch.no_grad():
+            torch.matmul(h, w.t())
+            dz = torch.matmul(h, w.t())
+            torch.matmul(dz, w)
+            torch.matmul(dz.t(), h)
+
+    if args.seconds:
+        return repeat(gemms if args.gemms else step, args.seconds, n, "four cuBLAS GEMMs" if args.gemms else
+                      "linear_logp forward + backward")
     for _ in range(3):
         step()
     torch.cuda.synchronize()
