@@ -90,6 +90,36 @@ def test_no_fast_math_or_libm_in_kernel_sources():
     assert "-gencode=arch=compute_90a,code=sm_90a" in sm90.CUDA_FLAGS
 
 
+def test_named_barriers_of_two_paths_are_the_non_aligned_form():
+    """`bar.sync` is PTX's `barrier.sync.aligned`: every participant must execute that same instruction. A barrier that
+    the producer warpgroup and the consumer warpgroups reach at different instructions (fused_cta_kernel's staging
+    barriers) is the non-aligned `barrier.sync` (named_bar_sync_split) and counts the whole CTA; the consumers-only
+    barrier 1 of the backward (named_bar_sync, one instruction) lies in its DZ branch. No other barrier asm."""
+    ptx = (CSRC / "ptx.cuh").read_text()
+    assert re.search(r"void named_bar_sync\(\) \{\s*asm volatile\(\"bar\.sync %0, %1;\"", ptx)
+    assert re.search(r"void named_bar_sync_split\(\) \{\s*asm volatile\(\"barrier\.sync %0, %1;\"", ptx)
+    asm_sites = {f.name: len(re.findall(r"\"(?:bar|barrier)\.sync", f.read_text())) for f in CSRC.glob("*.cu*")}
+    assert {k: v for k, v in asm_sites.items() if v} == {"ptx.cuh": 2, "dz_epilogue.cuh": 1}, asm_sites
+    k = (CSRC / "fused_kernels.cuh").read_text()
+    body = k[k.index("fused_cta_kernel("):]
+    start = body.index("if (wg == 0) {")
+    end = body.index("\n    return;\n  }", start)
+    producer, consumers = body[start:end], body[end:]
+    call = re.compile(r"named_bar_sync(_split)?<([^,]+), ([^>]+)>\(\)")
+    prod = call.findall(producer)
+    assert prod and all(split and count == "kThreads" for split, _, count in prod), prod
+    ids = {i for _, i, _ in prod}
+    dz_start = consumers.index("if constexpr (DZ) {")
+    dz_end = consumers.index("\n    return;\n  }", dz_start)
+    for m in call.finditer(consumers):
+        split, bar_id, count = m.groups()
+        if dz_start < m.start() < dz_end:
+            assert not split and count == "128 * kConsumers", m.group(0)    # the consumers alone, one instruction
+        else:
+            assert bar_id in ids and split and count == "kThreads", m.group(0)
+    assert {i for _, i, _ in call.findall(consumers[:dz_start] + consumers[dz_end:])} == ids
+
+
 def _nvcc():
     return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
 
