@@ -75,14 +75,14 @@ __device__ __forceinline__ void wg_dz_epilogue(const float (&acc)[WGN / 2], cons
           __floats2bfloat162_rn(d0, d1);
     }
   }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the writes above, to the TMA (async) proxy
-  asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+  fence_proxy_async_shared();   // the writes above, to the TMA (async) proxy
+  named_bar_sync<128>(bar_id);
   if (tid == 0 && row0 < p.n_rows) {
 #pragma unroll
     for (int k = 0; k < WGN / 64; ++k)
       if (col0 + 64 * k < p.n_real) tma_store_2d(map_o, stage + k * 8192, col0 + 64 * k, row0);
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // shared memory is read before the CTA exits
+    bulk_commit_group();
+    bulk_wait_group_read_all();   // shared memory is read before the CTA exits
   }
 }
 

@@ -69,7 +69,7 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
 
   if (wg == 0) {
     // Producer warpgroup: one thread issues TMA loads.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    setmaxnreg_dec<40>();
     if (threadIdx.x == 0) {
       for (int kb = 0; kb < kblocks; ++kb) {
         const int s = kb % C::STAGES;
@@ -93,7 +93,7 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  setmaxnreg_inc<232>();
   const int c = wg - 1;
   const int wm = c % WM, wn = c / WM;
   float acc[C::ACC];

@@ -35,6 +35,21 @@ template <int ID, int COUNT>
 __device__ __forceinline__ void named_bar_sync_split() {
   asm volatile("barrier.sync %0, %1;" ::"n"(ID), "n"(COUNT) : "memory");
 }
+// named_bar_sync with the barrier ID known at run time
+template <int COUNT>
+__device__ __forceinline__ void named_bar_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(COUNT) : "memory");
+}
+
+// ---- warpgroup register reallocation (every warp of the warpgroup executes it) ----------------------------
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
 
 // ---- mbarrier --------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
@@ -58,10 +73,14 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
+// This thread's shared-memory writes so far, ordered before later accesses by the async proxy (TMA, wgmma).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 // After mbar_init by one thread, before the barriers are used by other threads or the copy engine.
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  fence_proxy_async_shared();
 }
 
 // ---- TMA -------------------------------------------------------------------------------------------------
@@ -76,6 +95,11 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
                ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(col0), "r"(row0)
                : "memory");
+}
+// The bulk stores issued so far by this thread as one group; then wait until every group has read its shared memory.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_group_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
 // ---- wgmma -----------------------------------------------------------------------------------------------
