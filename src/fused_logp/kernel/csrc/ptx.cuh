@@ -1,4 +1,6 @@
-// PTX wrappers for sm_90a: shared-memory addresses, mbarriers, TMA (bulk tensor) loads and stores, wgmma.
+// PTX wrappers for sm_90a: shared-memory addresses and accesses, named barriers, setmaxnreg, mbarriers, the
+// async-proxy fence, TMA (bulk tensor) loads and stores, wgmma. The kernels' other inline PTX: the contract's
+// NaN-propagating max (stats_epilogue.cuh) and the backward's ex2.approx (dz_epilogue.cuh).
 // wgmma A and B come from shared memory through 128B-swizzled K-major descriptors; scale-d is 1: the accumulator
 // is an input of every k16 step (it starts at +0.0).
 #pragma once
