@@ -226,7 +226,7 @@ def common_path(listing: list[tuple[str, str, str]], truth: dict[str, bool]) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_64x256.cu,sm90_cta_64x128.cu,sm90_cta_128x128.cu")
+    ap.add_argument("--tu", default="sm90_cta_128x256.cu,sm90_cta_64x256.cu,sm90_cta_64x128.cu")
     ap.add_argument("--out", default=None, help="write sass-<tu>.txt and sass-counts.json here")
     ap.add_argument("--loop", action="store_true", help="the item loop by source line, side by side")
     ap.add_argument("--path", action="store_true", help="instructions of one item on its common path (t1, t07)")

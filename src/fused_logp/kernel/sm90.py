@@ -18,15 +18,15 @@ from .extension_build import build_checked
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_64x256.cu",
-            "sm90_cta_64x128.cu", "sm90_cta_128x128.cu", "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
+            "sm90_cta_64x128.cu", "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
 # Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by the name the
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
 # of them, chosen by row count. With return_logits, cta-128x256's producer warpgroup stores the logits while its
-# consumer warps compute the statistics; the other configurations store them from the items (bench/NOTES-sm90.md).
-LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "cta-128x128")
+# consumer warps compute the statistics; the 64-row configurations store them from the items (bench/NOTES-sm90.md).
+LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128")
 
 
 def auto_launch(n_rows: int) -> str:

@@ -109,7 +109,6 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
 
 extern template void launch_cta<2, 256, true>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
                                               cudaStream_t);
-extern template void launch_cta<2, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 
