@@ -29,6 +29,11 @@ _TILE = C.VOCAB_TILE
 LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128")
 
 
+# H200 A/B (bench/NOTES-sm90.md, "Small N"): 64x256 ahead at 160, 192 and 320 rows (odd 64-row tile counts), level
+# at 448, behind at 576.
+SMALL_ODD_MAX = 320
+
+
 def auto_launch(n_rows: int) -> str:
     """The configuration "auto" runs for a call of n_rows rows (figures in bench/NOTES-sm90.md, "Small N"): 64x256
     CTAs where the 128-row tiles would leave half of their last tile empty and the batch is small (n_rows <= 64, and
@@ -36,9 +41,6 @@ def auto_launch(n_rows: int) -> str:
     same bytes; this picks only the speed."""
     tiles64 = -(-n_rows // 64)
     return "cta-64x256" if n_rows <= 64 or (n_rows <= SMALL_ODD_MAX and tiles64 % 2 == 1) else "cta-128x256"
-
-
-SMALL_ODD_MAX = 320   # H200 A/B: 64x256 ahead at 160, 192 and 320 rows (odd 64-row tile counts), level at 448, behind at 576
 
 
 _lock = threading.Lock()
