@@ -1,7 +1,8 @@
 """The SM90 backend: the fused wgmma + TMA kernel of contract v1 (kernel/csrc), built on first use.
 
 The extension is compiled with torch.utils.cpp_extension.load for `-gencode=arch=compute_90a,code=sm_90a`
-and cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). If it cannot be built, or its
+into the node's extension cache (kernel/extension_build.py; `fused-logp build` fills it ahead of time, a process
+finding it current loads it and compiles nothing). If it cannot be built, or its
 compiled contract constants differ from shared_contract/constants.py, `available()` says why and every
 entry raises: there is no fallback here.
 """
@@ -60,14 +61,20 @@ def _build():
     with _lock:
         if _ext is not None or _ext_error is not None:
             return
-        _ext, _ext_error = build_checked(
-            "the sm90 extension", expected_constants(),
-            name="fused_logp_sm90",
-            sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_include_paths=[str(_CSRC)],
-            extra_cuda_cflags=list(CUDA_FLAGS) + (["-Xptxas=-v"] if os.environ.get("FUSED_LOGP_PTXAS_V") else []),
-            extra_cflags=["-O3"],
-        )
+        _ext, _ext_error = build_checked("the sm90 extension", expected_constants(), **build_arguments())
+
+
+def build_arguments() -> dict:
+    """The extension's build (torch.utils.cpp_extension.load's arguments; extension_build keys its cache on them)."""
+    return dict(name="fused_logp_sm90", sources=[str(_CSRC / s) for s in _SOURCES], extra_include_paths=[str(_CSRC)],
+                extra_cuda_cflags=list(CUDA_FLAGS) + (["-Xptxas=-v"] if os.environ.get("FUSED_LOGP_PTXAS_V") else []),
+                extra_cflags=["-O3"])
+
+
+def build_extension():
+    """Build (or load from the cache) and check the extension without a GPU: -> (ok, reason)."""
+    _build()
+    return _ext is not None, _ext_error or "sm90 extension ready"
 
 
 def _cdiv(a: int, b: int) -> int:
