@@ -167,22 +167,22 @@ def test_plugin_loss_func_with_model_keyword(model, flags):
 
     reports = _train_step(None, wrapped, _batches(), forward_step=forward_step)
     assert len(reports) == MICRO and all(torch.isfinite(r["lm loss"]).all() for r in reports)
-    mp.set_loss_checks(nan=True)
+    mp.training.set_loss_checks(nan=True)
     nan = mp.LogpOutput(logp=torch.full((B, S), float("nan")), lse=torch.zeros(B, S), loss_mask=None)
     with pytest.raises(RuntimeError, match="found NaN"):
         mp.logp_loss_func(torch.ones(B, S), nan, model=wrapped)
-    mp.set_loss_checks(nan=False)
+    mp.training.set_loss_checks(nan=False)
     try:
         assert torch.isnan(mp.logp_loss_func(torch.ones(B, S), nan, model=wrapped)[0])
     finally:
-        mp.set_loss_checks(nan=True)
+        mp.training.set_loss_checks(nan=True)
 
 
 def test_spiky_loss_check_reported(monkeypatch, caplog):
     """--check-for-spiky-loss: Megatron's rerun state machine sees the loss (non-fatal)."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    mp.set_loss_checks(spiky=True)
+    mp.training.set_loss_checks(spiky=True)
     seen = []
     machine = get_rerun_state_machine()
     orig = machine.validate_result
@@ -191,6 +191,6 @@ def test_spiky_loss_check_reported(monkeypatch, caplog):
         out = mp.LogpOutput(logp=-torch.rand(B, S), lse=torch.zeros(B, S), loss_mask=None)
         mp.logp_loss_func(torch.ones(B, S), out)
     finally:
-        mp.set_loss_checks(spiky=False)
+        mp.training.set_loss_checks(spiky=False)
     assert seen == ["found NaN in local forward loss calculation", "found Inf in local forward loss calculation",
                     "Spiky loss"]

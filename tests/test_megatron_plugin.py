@@ -57,7 +57,7 @@ def test_args_extra_args_provider():
     args = parser.parse_args(["--logp-backend", "contract", "--logp-temperature", "0.7", "--logp-vocab-size", "500"])
     s = mp.setup_from_args(args)
     assert (s.backend, s.temperature, s.vocab_size) == ("contract", 0.7, 500)
-    assert mp.get_settings() == s and mp.is_installed()
+    assert mp.get_settings() == s and mp.hook.is_installed()
     assert s.op_backend() == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--logp-backend", "cublas"])
@@ -71,7 +71,7 @@ def test_args_chain_and_vocab_fallback():
         return parser
 
     parser = mp.chain_args_providers(other, mp.add_logp_args)(argparse.ArgumentParser())
-    s = mp.settings_from_args(parser.parse_args(["--logp-backend", "torch", "--vocab-size", "321"]))
+    s = mp.args.settings_from_args(parser.parse_args(["--logp-backend", "torch", "--vocab-size", "321"]))
     assert (s.backend, s.vocab_size) == ("torch", 321) and s.op_backend() == "torch"
 
 
@@ -97,13 +97,13 @@ def test_hook_point_for_this_megatron():
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     expect = "forward" if mp.megatron_core_version() >= (0, 18) else "_postprocess"
-    assert mp.has_output_processor_hook() == (expect == "forward")
+    assert mp.hook.has_output_processor_hook() == (expect == "forward")
     orig = GPTModel.__dict__[expect]
     assert mp.install() == expect
     wrapped = GPTModel.__dict__[expect]
     assert wrapped is not orig and mp.install() == expect and GPTModel.__dict__[expect] is wrapped   # idempotent
     mp.uninstall()
-    assert GPTModel.__dict__[expect] is orig and not mp.is_installed()
+    assert GPTModel.__dict__[expect] is orig and not mp.hook.is_installed()
     mp.uninstall()                                                                                   # idempotent
 
 
@@ -477,28 +477,34 @@ def _args(*flags, **megatron):
     return args
 
 
+def _null_vocab_flag(real: int) -> int:
+    """The --vocab-size whose NullTokenizer has `real` ids (EOD the last) on the installed megatron-core."""
+    return real - (mp.null_tokenizer_vocab_size(real) - real)
+
+
 def test_real_vocab_from_the_tokenizer_and_null_tokenizer():
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    tok = NullTokenizer(REAL - 1)                       # ids 0..REAL-2 and EOD = REAL-1: REAL ids in all
+    tok = NullTokenizer(_null_vocab_flag(REAL))         # REAL ids in all, EOD = REAL-1
     assert tok.vocab_size == REAL and tok.eod == REAL - 1
     s = mp.setup_from_args(_args("--logp-backend", "contract"), tokenizer=tok)
     assert s.vocab_size == REAL
     assert mp.real_vocab_from_args(_args(), tokenizer=tok)[1].startswith("the tokenizer")
-    # without a tokenizer object: --vocab-size of a NullTokenizer run excludes its EOD id
-    args = _args("--logp-backend", "contract", vocab_size=REAL - 1, tokenizer_type="NullTokenizer")
+    # without a tokenizer object: --vocab-size of a NullTokenizer run, this megatron-core's rule
+    args = _args("--logp-backend", "contract", vocab_size=_null_vocab_flag(REAL), tokenizer_type="NullTokenizer")
     assert mp.setup_from_args(args).vocab_size == REAL
     assert mp.setup_from_args(_args("--logp-backend", "contract", vocab_size=REAL)).vocab_size == REAL
     # --logp-vocab-size wins over both
-    args = _args("--logp-backend", "contract", "--logp-vocab-size", "400", vocab_size=REAL - 1,
+    args = _args("--logp-backend", "contract", "--logp-vocab-size", "400", vocab_size=_null_vocab_flag(REAL),
                  tokenizer_type="NullTokenizer")
     assert mp.setup_from_args(args, tokenizer=tok).vocab_size == 400
 
 
 def test_null_tokenizer_eod_label_accepted(untied):
-    """The EOD id of a NullTokenizer (== --vocab-size) is a real label, not refused as padding."""
+    """The EOD id of a NullTokenizer (its last id) is a real label, not refused as padding."""
     wrapped, _ = untied
-    mp.setup_from_args(_args("--logp-backend", "contract", vocab_size=REAL - 1, tokenizer_type="NullTokenizer"))
+    mp.setup_from_args(_args("--logp-backend", "contract", vocab_size=_null_vocab_flag(REAL),
+                             tokenizer_type="NullTokenizer"))
     ids, pos, mask, labels = ms.batch(B, S, REAL)
     labels[0, 2] = REAL - 1
     with torch.no_grad():
@@ -530,7 +536,7 @@ def test_setup_refusals_name_the_flag(megatron, flag):
     args = _args("--logp-backend", "contract", "--logp-vocab-size", "100", **megatron)
     with pytest.raises(ContractInputError, match=flag):
         mp.setup_from_args(args)
-    assert not mp.is_installed()
+    assert not mp.hook.is_installed()
 
 
 def test_strict_config_without_the_plugin_refused_at_setup(tmp_path):

@@ -181,7 +181,7 @@ def _cp_checks(rank, res):
     full_lse = ref.lse.view(S, B).t() * loss_mask
     mine = _cp_split({"logp": full_logp, "lse": full_lse}, cp_group)
     res["cp_rows_equal"] = torch.equal(out.logp, mine["logp"]) and torch.equal(out.lse, mine["lse"])
-    res["cp_gather_equal"] = torch.equal(mp.gather_context_parallel(out.logp, cp_group), full_logp)
+    res["cp_gather_equal"] = torch.equal(mp.parallel.gather_context_parallel(out.logp, cp_group), full_logp)
 
     # the scoring API under CP=2: full sequences in, Megatron's load-balanced split, results back in sequence order.
     # (The local layer spec has no context-parallel attention, so each rank's attention sees its own chunks only:
@@ -192,7 +192,7 @@ def _cp_checks(rank, res):
     cap = ms.CaptureFinalHidden(gpt)
     sc = mp.score(wrapped, tokens, temperature=T, vocab_size=REAL)
     cap.remove()
-    h_full = mp.gather_context_parallel(cap.value.detach().transpose(0, 1).contiguous(), cp_group)   # [b, s, d]
+    h_full = mp.parallel.gather_context_parallel(cap.value.detach().transpose(0, 1).contiguous(), cp_group)   # [b, s, d]
     keep = sc.loss_mask != 0
     ref = fused_logp.linear_logp(h_full[keep], ms.lm_head_weight(gpt).detach(), sc.targets[keep], temperature=T,
                                  vocab_size=REAL)

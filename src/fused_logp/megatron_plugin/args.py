@@ -1,9 +1,12 @@
 """Command-line arguments: `--logp-backend {contract,torch}`, `--logp-config YAML`, `--logp-temperature`,
 `--logp-vocab-size`.
 
-Megatron:   initialize_megatron(extra_args_provider=add_logp_args)  (or pretrain(..., extra_args_provider=...)
-            on <= 0.17, parse_and_validate_args(extra_args_provider=...) on >= 0.19), then
-            setup_from_args(get_args()).
+Megatron-LM 0.19 (pretrain_gpt.py):
+            args = parse_and_validate_args(extra_args_provider=chain_args_providers(<the script's>, add_logp_args), ...)
+            setup_from_args(args)
+            model_cfg.post_wrap_hooks.append(check_model)
+Megatron-LM 0.16 / 0.17: pretrain(..., extra_args_provider=add_logp_args), then setup_from_args(get_args()) in
+            model_provider and check_model(model) on the built model.
 Own parser: add_logp_args(parser); args = parser.parse_args(); setup_from_args(args).
 """
 from __future__ import annotations
@@ -15,7 +18,9 @@ from ..shared_contract.config import get_config, load_config, set_config
 from ..shared_contract.constants import VOCAB_TILE
 from ..shared_contract.errors import ContractInputError, StrictModeError
 from .guards import UnsupportedMegatronConfigError
-from .settings import BACKEND_CHOICES, LogpSettings, check_backend_allowed, configure, resolve_vocab_size
+from .settings import (BACKEND_CHOICES, LogpSettings, active_call_settings, check_backend_allowed, configure,
+                       get_settings, resolve_vocab_size)
+from .versions import null_tokenizer_vocab_size
 
 log = logging.getLogger("fused_logp")
 
@@ -36,8 +41,8 @@ def add_logp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the rollout temperature T: logp and lse of softmax(logits / T)")
     g.add_argument("--logp-vocab-size", type=int, default=None,
                    help="the real (unpadded) vocabulary size; rows at or above it are padding and never enter the "
-                        "lse (default: the tokenizer's size, else --vocab-size (+1 for NullTokenizer); strict mode "
-                        "requires one of them)")
+                        "lse (default: the tokenizer's size, else --vocab-size, plus one for NullTokenizer before "
+                        "megatron-core 0.18; strict mode requires one of them)")
     return parser
 
 
@@ -61,10 +66,11 @@ def _global_tokenizer():
         return None
 
 
-def real_vocab_from_args(args, tokenizer=None):
+def real_vocab_from_args(args, tokenizer=None, *, version=None):
     """(real vocabulary size or None, where it came from): --logp-vocab-size, else the tokenizer's size (the one
-    passed, else Megatron-LM's global tokenizer), else --vocab-size (+1 with NullTokenizer, whose EOD id equals
-    --vocab-size)."""
+    passed, else Megatron-LM's global tokenizer), else --vocab-size; with NullTokenizer the rule of megatron-core
+    `version` (default: the installed one; versions.null_tokenizer_vocab_size): --vocab-size from 0.18 on (EOD is
+    vocab_size - 1), --vocab-size + 1 before (EOD is vocab_size)."""
     v = getattr(args, "logp_vocab_size", None)
     if v is not None:
         return int(v), "--logp-vocab-size"
@@ -75,7 +81,10 @@ def real_vocab_from_args(args, tokenizer=None):
     v = getattr(args, "vocab_size", None)
     if v is not None:
         if getattr(args, "tokenizer_type", None) == "NullTokenizer":
-            return int(v) + 1, "--vocab-size + 1 (NullTokenizer: ids 0..vocab_size, the last one EOD)"
+            n = null_tokenizer_vocab_size(v, version)
+            if n == int(v):
+                return n, "--vocab-size (NullTokenizer, megatron-core >= 0.18: ids 0..vocab_size-1, the last one EOD)"
+            return n, "--vocab-size + 1 (NullTokenizer, megatron-core < 0.18: ids 0..vocab_size, the last one EOD)"
         return int(v), "--vocab-size"
     return None, None
 
@@ -172,18 +181,29 @@ def setup_from_args(args, *, tokenizer=None, install_hook: bool = True) -> LogpS
     return s
 
 
-def check_model(model, settings: LogpSettings | None = None) -> None:
-    """The model-level refusals at setup (after get_model / Float16Module, before training): uncovered
-    TransformerConfig features, the output layer's class / bias / dtype, the real vocabulary against the output
-    rows and the shard alignment. `model` may be get_model's list."""
+def check_model(model, settings: LogpSettings | None = None):
+    """The model-level refusals at setup (after get_model / Float16Module / DDP, before training): a model the plugin
+    does not serve (HybridModel, MambaModel), uncovered TransformerConfig features, the output layer's class / bias /
+    dtype, the real vocabulary against the output rows and the shard alignment. `model` may be get_model's list.
+    Returns `model`, so that it is a megatron-core 0.19 post-wrap hook as it is
+    (`model_cfg.post_wrap_hooks.append(check_model)`). With the plugin off it checks nothing."""
     from .guards import check_config, check_output_layer
     from .hook import settings_for, unwrap_gpt_model
     from .parallel import group_size
 
-    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
-        check_config(unwrap_gpt_model(chunk).config)
-    gpt = unwrap_gpt_model(model)
+    if settings is None and not (active_call_settings() or get_settings()).enabled:
+        return model
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    gpts = [unwrap_gpt_model(chunk) for chunk in chunks]
+    for gpt in gpts:
+        check_config(gpt.config)
+    last = [gpt for gpt in gpts if gpt.post_process]
+    if not last:                    # a pipeline stage without the output layer
+        return model
+    gpt = last[-1]
     settings = settings or settings_for(gpt)
+    if not settings.enabled:
+        return model
     w = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
         else gpt.output_layer.weight
     check_output_layer(gpt.output_layer, w)
@@ -193,3 +213,4 @@ def check_model(model, settings: LogpSettings | None = None) -> None:
                                  f"multiple of the contract's tile width {VOCAB_TILE}: set "
                                  f"--make-vocab-size-divisible-by to a multiple of {VOCAB_TILE}")
     resolve_vocab_size(settings, w.shape[0] * tp, get_config().strict)
+    return model

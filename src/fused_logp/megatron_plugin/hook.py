@@ -6,7 +6,9 @@ themselves). The wrapper refuses uncovered configurations before the forward, be
 the multi-token-prediction block and its loss before it calls output_processor. megatron-core 0.16/0.17:
 `install()` wraps `GPTModel._postprocess`, which calls the processor with the >= 0.18 keywords. Both are
 idempotent, reversible (`uninstall`) and pass through when the plugin is disabled, when labels are absent
-(generation wants logits) or when an inference context is given.
+(generation wants logits) or when an inference context is given. `install()` also guards the models the plugin
+does not serve (versions.UNSERVED_MODELS: HybridModel, MambaModel): with the plugin on, their labelled training
+forward raises UnsupportedMegatronConfigError instead of training on Megatron's own loss.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import inspect
 import logging
 import threading
 
-from .guards import check_config
+from .guards import UnsupportedMegatronConfigError, check_config
 from .processor import logp_output_processor
 from .settings import LogpSettings, active_call_settings, check_backend_allowed, get_settings
+from .versions import megatron_core_version, unserved_model_classes, unserved_model_message  # noqa: F401
 
 _ATTR = "_fused_logp_settings"
 _lock = threading.Lock()
@@ -34,12 +37,7 @@ def _note_unlabelled_call():
         log.warning("fused_logp: a GPTModel forward without labels returns Megatron's own logits, not the contract "
                     "op's logp (the plugin needs the target ids); for RL log-probs call "
                     "fused_logp.megatron_plugin.score(model, tokens, targets, temperature=...)")
-_installed: dict = {}          # attribute name -> original function
-
-
-def megatron_core_version() -> tuple:
-    from megatron.core import package_info
-    return tuple(int(x) for x in package_info.__version__.split(".")[:2] if x.isdigit())
+_installed: dict = {}          # (class, attribute name) -> original function
 
 
 def _gpt_model_cls():
@@ -65,7 +63,10 @@ def unwrap_gpt_model(model):
                              "on the last pipeline stage")
         return last[-1]
     seen = 0
+    unserved = tuple(unserved_model_classes())
     while not isinstance(model, GPTModel):
+        if unserved and isinstance(model, unserved):
+            raise UnsupportedMegatronConfigError(unserved_model_message(model))
         if not hasattr(model, "module") or seen > 8:
             raise TypeError(f"no megatron.core GPTModel found inside {type(model).__name__}")
         model, seen = model.module, seen + 1
@@ -151,27 +152,52 @@ def _make_forward(orig):
     return forward
 
 
+def _make_unserved_forward(orig):
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def forward(self, *args, **kwargs):
+        if settings_for(self).enabled:
+            bound = sig.bind_partial(self, *args, **kwargs).arguments
+            if bound.get("labels") is not None and bound.get("inference_context") is None \
+                    and bound.get("inference_params") is None:
+                raise UnsupportedMegatronConfigError(unserved_model_message(self))
+        return orig(self, *args, **kwargs)
+
+    forward.__fused_logp_wrapper__ = True
+    return forward
+
+
+def _wrap(cls, name, make):
+    key = (cls, name)
+    if key in _installed:
+        return
+    orig = cls.__dict__[name]
+    if getattr(orig, "__fused_logp_wrapper__", False):      # installed by another copy of this module
+        return
+    _installed[key] = orig
+    setattr(cls, name, make(orig))
+
+
 def install() -> str:
-    """Install the hook on GPTModel (idempotent). Returns the attribute wrapped: 'forward' or '_postprocess'."""
+    """Install the hook on GPTModel (idempotent) and the refusal on the unserved models. Returns the GPTModel
+    attribute wrapped: 'forward' or '_postprocess'."""
     GPTModel = _gpt_model_cls()
     name = "forward" if has_output_processor_hook() else "_postprocess"
     with _lock:
-        if name not in _installed:
-            orig = GPTModel.__dict__[name]
-            if getattr(orig, "__fused_logp_wrapper__", False):      # installed by another copy of this module
-                return name
-            _installed[name] = orig
-            setattr(GPTModel, name, (_make_forward if name == "forward" else _make_postprocess)(orig))
+        _wrap(GPTModel, name, _make_forward if name == "forward" else _make_postprocess)
+        for cls in unserved_model_classes():
+            if "forward" in cls.__dict__:
+                _wrap(cls, "forward", _make_unserved_forward)
     return name
 
 
 def uninstall() -> None:
-    """Restore GPTModel's original methods (idempotent)."""
-    GPTModel = _gpt_model_cls()
+    """Restore the original methods (idempotent)."""
     with _lock:
-        for name, orig in list(_installed.items()):
-            setattr(GPTModel, name, orig)
-            del _installed[name]
+        for (cls, name), orig in list(_installed.items()):
+            setattr(cls, name, orig)
+            del _installed[(cls, name)]
 
 
 def is_installed() -> bool:
