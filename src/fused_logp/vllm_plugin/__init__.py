@@ -9,9 +9,16 @@ RPCs and the status metric. The replacement does nothing unless the engine's con
 
 FUSED_LOGP_VLLM=0 is the kill switch (an engine configured for strict mode is then refused at start).
 
+Public surface (what other code may import from `fused_logp.vllm_plugin`; everything else is internal):
+register, the settings (CONFIG_KEY, ENV_SWITCH, PluginSettings, settings_from_vllm_config), matching captured rows
+to requests (same_request, completion_index), the logprobs modes and their trainer-side call (LOGPROBS_MODES,
+expected_values), the engine's sampling normalisation (request_sampling: the record a rollout stores; the
+trainer's side of it is fused_logp.shared_contract.sampling.effective_sampling) and the hook shapes (detect_hooks).
+
 Modules, one per vLLM surface: head (LogitsProcessor._get_logits), v1_sampler, mrv2_sampler, prompt_logprobs,
 weight_sync, status_rpc, admission, metrics; state (shared state), scoring (the rescoring both samplers end in),
-settings, policy (what strict mode refuses), capability (hook shapes), install (the engine-side installer).
+settings, policy (what strict mode refuses), capability (hook shapes), install (the engine-side installer),
+trainer (the trainer-side call per logprobs mode; no vLLM import).
 """
 from __future__ import annotations
 
@@ -48,4 +55,24 @@ def register() -> None:
     _registered = True
 
 
-__all__ = ["CONFIG_KEY", "ENV_SWITCH", "PluginSettings", "register", "settings_from_vllm_config"]
+_LAZY = {"same_request": "status_rpc", "completion_index": "status_rpc", "LOGPROBS_MODES": "trainer",
+         "expected_values": "trainer", "request_sampling": "policy"}
+
+
+def __getattr__(name):
+    """The public names that live in heavier modules, imported on first use."""
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
+
+def detect_hooks():
+    """The installed vLLM's hook shapes (capability.detect())."""
+    from .capability import detect
+    return detect()
+
+
+__all__ = ["CONFIG_KEY", "ENV_SWITCH", "LOGPROBS_MODES", "PluginSettings", "completion_index", "detect_hooks",
+           "expected_values", "register", "request_sampling", "same_request", "settings_from_vllm_config"]

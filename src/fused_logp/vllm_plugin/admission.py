@@ -34,6 +34,7 @@ def install() -> None:
         settings = _settings(self)           # reads the configuration once; refuses a kill-switch conflict
         if settings is not None:
             from . import metrics
+            metrics.prepare_frontend()       # before vLLM starts the engine's processes
             metrics.publish(settings)
 
     @functools.wraps(orig)

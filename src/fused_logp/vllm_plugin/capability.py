@@ -2,7 +2,7 @@
 string), and what the plugin does with a shape it does not know: strict mode refuses it, naming the vLLM
 version; otherwise that surface is left unwrapped and the status lists it.
 
-Known shapes (vLLM 0.26 and 0.32):
+Known shapes (vLLM 0.26, 0.32 and 0.33):
 - head: `LogitsProcessor._get_logits(hidden_states, lm_head, embedding_bias[, skip_gather])` (0.32 added
   skip_gather).
 - V1 sampler: `Sampler.forward(logits, sampling_metadata, ...)`, `Sampler.sample(logits, sampling_metadata, ...)`,
@@ -16,6 +16,16 @@ Known shapes (vLLM 0.26 and 0.32):
 - MRV2 logprob values: module-level `logprob.compute_token_logprobs(logits, token_ids)`, looked up by name in
   `compute_topk_scores` (both versions). Where it is, a sampler step's logprob columns are the contract's from the
   start (vLLM's own kernel is not run); where not, they are rescored after vLLM's (not a refusal).
+- vLLM 0.33 (read from the 0.33.0 wheel; Model Runner V2 is its default runner where Triton is present): every
+  hook above has the 0.32 shape; two additions. (a) V1 `Sampler.forward` first asks the module-level
+  `mixed_sample_eligible(sampling_metadata, predict_bonus_token)` whether to sample the raw logits in one fused
+  kernel (ROCm gfx1250), skipping `Sampler.sample`: the plugin wraps it to say no for a batch with a kept set
+  (`v1_fused_raw_sample`); a forward that calls another such function by a name the plugin does not know is an
+  unknown shape. (b) The Model Runner V2 custom logits-processor interface
+  (`vllm/v1/worker/gpu/sample/logits_processor/interface.py`: `add_request(req_idx, sampling_params) -> bool`,
+  `apply(logits, ctx)`, loaded from `--logits-processors` into `Sampler(custom_logits_processors=...)`; also in
+  0.32, absent in 0.26): a processor changes the logits vLLM samples from, so an engine configured with one is
+  outside the contract (policy.engine_reasons); `mrv2_custom_logits_processors` records that the interface exists.
 """
 from __future__ import annotations
 
@@ -43,6 +53,8 @@ class HookShapes:
     mrv2_logprobs_probe: str | None = None   # "get_logprobs_dims" | "returns_logprobs"
     mrv2_prompt: bool = False
     mrv2_token_logprobs: bool = False        # logprob.compute_token_logprobs(logits, token_ids), called by name
+    v1_fused_raw_sample: bool = False        # 0.33: V1 Sampler.forward's mixed_sample_eligible(...), wrapped
+    mrv2_custom_logits_processors: bool = False   # MRV2 Sampler(custom_logits_processors=...) (0.32, 0.33)
     problems: tuple = ()                     # unknown shapes, one sentence each
     absent: tuple = ()                       # surfaces this vLLM build does not have (not a refusal)
 
@@ -85,6 +97,40 @@ def v1_sampler_shape(sampler_cls, problems: list) -> bool:
         problems.append("V1 Sampler.forward/sample(logits, sampling_metadata) or "
                         "gather_logprobs(logprobs, num_logprobs, token_ids) not found")
     return ok
+
+
+_V1_FUSED_SAMPLE = "mixed_sample_eligible"
+
+
+def v1_fused_raw_sample_shape(sampler_cls, module, problems: list) -> bool:
+    """True when V1 Sampler.forward calls the module's mixed_sample_eligible(sampling_metadata,
+    predict_bonus_token) by name (vLLM 0.33); False when it calls no such function (0.26, 0.32). A forward that
+    calls a module function whose name says it samples the raw logits in a fused kernel ('*sample_eligible*'), other
+    than this one with this signature, is an unknown shape (a problem)."""
+    fwd = getattr(sampler_cls, "forward", None)
+    code = getattr(inspect.unwrap(fwd), "__code__", None) if callable(fwd) else None
+    names = set(code.co_names) if code is not None else set()
+    others = sorted(n for n in names if "sample_eligible" in n and n != _V1_FUSED_SAMPLE)
+    if others:
+        problems.append(f"V1 Sampler.forward calls {', '.join(others)} (a fused raw-logits sampling path the "
+                        f"plugin does not know)")
+        return False
+    if _V1_FUSED_SAMPLE not in names:
+        return False
+    fn = getattr(module, _V1_FUSED_SAMPLE, None)
+    if not callable(fn) or not _starts(fn, ("sm", "predict_bonus_token")) and \
+            not _starts(fn, ("sampling_metadata", "predict_bonus_token")):
+        problems.append(f"V1 sampler module's {_V1_FUSED_SAMPLE} is not (sampling_metadata, predict_bonus_token)")
+        return False
+    return True
+
+
+def mrv2_custom_lp_shape(sampler_cls) -> bool:
+    """True when the MRV2 Sampler takes custom logits processors (vLLM 0.32, 0.33)."""
+    try:
+        return "custom_logits_processors" in _params(sampler_cls.__init__)
+    except (TypeError, ValueError):
+        return False
 
 
 def v1_runner_shape(runner_cls, problems: list) -> bool:
@@ -160,6 +206,8 @@ def detect() -> HookShapes:
     kw = {"vllm_version": getattr(vllm, "__version__", "unknown")}
     kw["head_skip_gather"] = head_shape(LogitsProcessor, problems)
     kw["v1_sampler"] = v1_sampler_shape(V1Sampler, problems)
+    from vllm.v1.sample import sampler as v1_sampler_module
+    kw["v1_fused_raw_sample"] = v1_fused_raw_sample_shape(V1Sampler, v1_sampler_module, problems)
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         kw["v1_runner"] = v1_runner_shape(GPUModelRunner, problems)
@@ -177,6 +225,7 @@ def detect() -> HookShapes:
         kw["mrv2"] = sp is not None and kw["mrv2_prompt"]
         kw["mrv2_sp_index"], kw["mrv2_logprobs_probe"] = sp, probe
         kw["mrv2_token_logprobs"] = mrv2_token_logprobs_shape(lpm)
+        kw["mrv2_custom_logits_processors"] = mrv2_custom_lp_shape(V2Sampler)
         if not kw["mrv2_token_logprobs"]:
             absent.append("MRV2 logprob.compute_token_logprobs(logits, token_ids) called by name (columns are "
                           "rescored after vLLM's)")
@@ -196,7 +245,7 @@ def require(strict: bool, shapes: HookShapes | None = None) -> HookShapes:
                f"{'; '.join(s.problems)}")
         if strict:
             raise UnsupportedVllmError(msg + ". Strict mode refuses to serve with those surfaces unwrapped; "
-                                       "use a vLLM whose hooks the plugin supports (0.26 to 0.32 are known).")
+                                       "use a vLLM whose hooks the plugin supports (0.26, 0.32 and 0.33 are known).")
         if not _warned:
             _warned = True
             log.warning("%s; those surfaces are left unwrapped (their logprobs are vLLM's own).", msg)

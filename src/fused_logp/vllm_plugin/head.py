@@ -23,7 +23,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from .. import linear_logp
 from ..kernel.op import logits_and_stats
 from ..shared_contract.constants import CONTRACT_VERSION
-from . import capability, install
+from . import capability, install, metrics
 from .policy import engine_reasons, head_reasons, refuse_or_warn
 from .settings import settings_from_vllm_config
 from .state import PROMPT_CTX, HeadState, Mark
@@ -91,6 +91,8 @@ class FusedLogpLogitsProcessor(LogitsProcessor):
             res = linear_logp(h, w, targets, bias=bias, return_logits=True, vocab_size=n_real,
                               backend=st.settings.backend, strict=st.settings.strict)
         st.op_calls += 1
+        if st.provenance is None:
+            metrics.served(res.provenance.backend)                             # fused_logp_info's backend
         st.provenance = res.provenance                                         # to_dict() when read
         logits = res.logits                                                     # [N, n_real] fp32, unscaled
         if lm_head.tp_size > 1:

@@ -13,7 +13,7 @@ def install(shapes) -> None:
     if _installed:
         return
     if shapes.v1_sampler:
-        v1_sampler.install_sampler()
+        v1_sampler.install_sampler(shapes)
     if shapes.v1_runner:
         v1_sampler.install_runner()
         if shapes.v1_sampler:

@@ -2,7 +2,11 @@
 
 - Prometheus: the frontend process (the OpenAI server, whose /metrics serves the default registry, or the
   offline LLM) exports `fused_logp_info{contract_version, strict, backend, weight_version} 1` once an engine
-  with the plugin enabled starts (no series without it).
+  with the plugin enabled starts (no series without it). `backend` is the backend that served the lm_head (the
+  op's provenance, not the configured `auto`): "pending" until the first forward (vLLM's profile run, before the
+  server answers). The worker reports it to the frontend through a file named by FUSED_LOGP_SERVED_FILE, which
+  the frontend sets before vLLM starts the engine's processes (they inherit it); in one process it is set
+  directly.
 - vLLM's weight-version label (vLLM versions that have one, EngineCore.set_weight_version): after the engine
   starts and after every worker RPC (reload_weights, update_weights, ...), the engine core sets the label to
   the lm_head fingerprint, unless the operator set a label of their own. Every completion then carries it
@@ -12,12 +16,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import tempfile
+import time
 
 log = logging.getLogger("vllm.fused_logp")
 
 METRIC = "fused_logp_info"
+SERVED_ENV = "FUSED_LOGP_SERVED_FILE"
+PENDING = "pending"
 _gauge = None
 _labels: dict | None = None
+_served: str | None = None            # the backend that served this process's lm_head, once known
+_polled = 0.0
 
 
 def _get_gauge():
@@ -40,7 +51,7 @@ def publish(settings, weight_version: str | None = None) -> None:
     except ImportError:                  # prometheus_client is one of vLLM's requirements; keep going without it
         return
     labels = {"contract_version": CONTRACT_VERSION, "strict": str(settings.strict).lower(),
-              "backend": settings.backend,
+              "backend": _served or (_labels or {}).get("backend") or PENDING,
               "weight_version": weight_version or (_labels or {}).get("weight_version", "pending")}
     if labels == _labels:
         return
@@ -51,6 +62,57 @@ def publish(settings, weight_version: str | None = None) -> None:
             pass
     g.labels(**labels).set(1)
     _labels = labels
+
+
+def prepare_frontend() -> None:
+    """Frontend, before vLLM starts the engine's processes: name the file through which a worker reports the
+    backend that served (inherited through the environment; kept if the operator set one)."""
+    if not os.environ.get(SERVED_ENV):
+        fd, path = tempfile.mkstemp(prefix="fused_logp_served_")
+        os.close(fd)
+        os.unlink(path)
+        os.environ[SERVED_ENV] = path
+
+
+def served(backend: str) -> None:
+    """Worker, after the op served the lm_head: the backend's name (its provenance) for fused_logp_info."""
+    global _served
+    if not backend or backend == _served:
+        return
+    _served = backend
+    path = os.environ.get(SERVED_ENV)
+    if path:
+        try:
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(backend)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.debug("fused_logp: cannot report the served backend to the frontend (%s)", exc)
+    if _labels is not None and _labels["backend"] != backend:
+        _relabel(backend=backend)
+
+
+def poll_served(min_interval_s: float = 0.5) -> None:
+    """Frontend: while the series says backend="pending", read the worker's report (at most every
+    min_interval_s)."""
+    global _polled
+    if _labels is None or _labels["backend"] != PENDING:
+        return
+    now = time.monotonic()
+    if now - _polled < min_interval_s:
+        return
+    _polled = now
+    path = os.environ.get(SERVED_ENV)
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            name = f.read().strip()
+    except OSError:
+        return
+    if name:
+        _relabel(backend=name)
 
 
 def current_labels() -> dict | None:
@@ -123,6 +185,8 @@ def install_frontend() -> None:
 
     @functools.wraps(orig)
     def process_outputs(self, *args, **kwargs):
+        if _labels is not None and _labels["backend"] == PENDING:
+            poll_served()
         wv = kwargs.get("weight_version")
         if wv is not None and _labels is not None and wv != _labels["weight_version"] and wv != "default":
             _labels_update(wv)
@@ -132,10 +196,14 @@ def install_frontend() -> None:
 
 
 def _labels_update(weight_version: str) -> None:
+    _relabel(weight_version=weight_version)
+
+
+def _relabel(**changes) -> None:
     global _labels
     g = _get_gauge()
     old = _labels
-    new = dict(old, weight_version=weight_version)
+    new = dict(old, **changes)
     try:
         g.remove(*old.values())
     except KeyError:

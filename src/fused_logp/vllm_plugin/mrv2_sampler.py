@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from .policy import request_reasons, transform_program, transform_reasons
+from .policy import request_info, transform_reasons
 from .scoring import (all_unit_temperature, check_sampled, contract_columns, effective_temperature, kept_rows,
                       program_groups, rescore)
 from .state import is_vllm_warmup, mark_of
@@ -152,6 +152,12 @@ def install_token_logprobs() -> None:
     logprob.compute_token_logprobs = compute_token_logprobs
 
 
+def _infos(sampler, rows):
+    """Per row (vLLM's request slots): the policy.RequestInfo its request was added with, or None."""
+    infos = sampler.__dict__.get("_fused_logp_info", {})
+    return [infos.get(int(i)) for i in rows]
+
+
 def install(shapes) -> None:
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
@@ -180,8 +186,9 @@ def install(shapes) -> None:
             params = args[sp_index]
         req_idx = int(kwargs["req_idx"] if "req_idx" in kwargs else args[0])
         d = self.__dict__
-        prog = transform_program(params)
-        reasons = request_reasons(params)
+        info = request_info(params)
+        prog, reasons = info.program, list(info.reasons)
+        d.setdefault("_fused_logp_info", {})[req_idx] = info
         d.setdefault("_fused_logp_programs", {})[req_idx] = prog
         d.setdefault("_fused_logp_flagged", {})[req_idx] = reasons
         flags = d.get("_fused_logp_flags") or _Flags(256)
@@ -200,9 +207,8 @@ def install(shapes) -> None:
         """A step whose logprob columns are the contract's from vLLM's own compute_token_logprobs call (no program
         row, no flagged request, raw logprobs mode): no check, copy or rescoring around vLLM's sampler (with capture
         on, the scored rows are captured after it)."""
-        if summary.unit is None:
-            summary.unit = all_unit_temperature(host_temperature(self, idx))
-        job = _Job(logits, mark, summary.unit, lambda: row_temperature(self, input_batch))
+        # raw_logprobs: log softmax(z) at T = 1 whatever the rows' temperatures (vLLM's raw mode)
+        job = _Job(logits, mark, True, 1.0)
         _job.job = job
         try:
             out = orig_call(self, logits, input_batch, *args, **kwargs)
@@ -216,7 +222,8 @@ def install(shapes) -> None:
             # logits (in raw mode vLLM never writes the logits it is given, so they are still the head's)
             out.logprobs_tensors = rescore(out.logprobs_tensors, logits, job.temperature, mark,
                                            req_ids=list(input_batch.req_ids), unit_temperature=job.unit,
-                                           record=((), ()), scored=job.scored)
+                                           record=((), ()), scored=job.scored, mode="raw_logprobs",
+                                           infos=_infos(self, idx) if st.settings.capture else None)
         st.record_programs(*flags.to_record(summary, idx, input_batch.req_ids,
                                             self.__dict__.get("_fused_logp_programs", {}), st))
         return out
@@ -259,8 +266,7 @@ def install(shapes) -> None:
         want = wants_logprobs(self, idx)
         job = None
         if want and token_logprobs and keep is None and not expanded and not any_flagged and raw_mode(self):
-            unit = all_unit_temperature(host_temperature(self, idx))
-            job = _Job(logits, mark, unit, lambda: row_temperature(self, input_batch))
+            job = _Job(logits, mark, True, 1.0)
         z = (logits if job is not None else logits.clone()) if want else None
         masked = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
         if keep is not None:
@@ -281,11 +287,13 @@ def install(shapes) -> None:
             if flags is not None and programs is None and not expanded:
                 # each request's program once per programs-RPC epoch (not a dict lookup per row per step)
                 record = flags.to_record(summary, idx, req_ids, progs, mark.state)
-            unit = job.unit if job is not None else \
-                not expanded and all_unit_temperature(host_temperature(self, idx))
+            mode = getattr(self, "logprobs_mode", None) or "raw_logprobs"
+            unit = job.unit if job is not None else mode in ("raw_logprobs", "raw_logits") or \
+                (not expanded and all_unit_temperature(host_temperature(self, idx)))
             out.logprobs_tensors = rescore(out.logprobs_tensors, z, lambda: row_temperature(self, input_batch),
                                            mark, req_ids=req_ids, programs=programs, unit_temperature=unit,
-                                           record=record, scored=job is not None and job.scored)
+                                           record=record, scored=job is not None and job.scored, mode=mode,
+                                           infos=_infos(self, rows) if capture else None)
         return out
 
     Sampler.__call__ = __call__

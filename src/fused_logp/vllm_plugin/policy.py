@@ -9,15 +9,19 @@ and provenance that lists it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from ..kernel.transforms import TransformProgram
 from ..shared_contract.errors import StrictModeError
-from ..shared_contract.sampling import scoring_temperature
+from ..shared_contract.sampling import EffectiveSampling, effective_sampling, scoring_temperature
 
 log = logging.getLogger("vllm.fused_logp")
+
+# vLLM's logprobs modes (vllm.config.model.LogprobsMode), each served in vLLM's meaning (docs/vllm.md)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 try:
@@ -43,8 +47,65 @@ def transform_reasons(params) -> list[str]:
 
 
 def request_temperature(params) -> float:
-    """The temperature the plugin scores a request at (shared_contract.sampling.scoring_temperature)."""
-    return scoring_temperature(getattr(params, "temperature", 1.0) or 0.0)
+    """The temperature the plugin scores a request at under a processed logprobs mode
+    (shared_contract.sampling.scoring_temperature of the engine's effective temperature)."""
+    return request_sampling(params).scoring_temperature
+
+
+_VERSION: list = []
+
+
+def engine_version() -> str:
+    """The installed vLLM's version string (read once)."""
+    if not _VERSION:
+        try:
+            import vllm
+            _VERSION.append(getattr(vllm, "__version__", "unknown"))
+        except ImportError:
+            _VERSION.append("unknown")
+    return _VERSION[0]
+
+
+def request_sampling(params, version: str | None = None) -> EffectiveSampling:
+    """The sampling parameters this vLLM uses for a SamplingParams, from the engine version's rule
+    (shared_contract.sampling.effective_sampling). vLLM has already applied it to `params` (SamplingParams.__post_init__),
+    so this is the same values read back through the rule the trainer is given; a vLLM version without a rule
+    falls back to the newest known one (capability.require has named the version in the log)."""
+    t = getattr(params, "temperature", 1.0)
+    k, p, m = getattr(params, "top_k", None), getattr(params, "top_p", None), getattr(params, "min_p", None)
+    v = version or engine_version()
+    try:
+        return effective_sampling("vllm", v, t, k, p, m)
+    except ValueError as e:
+        if "no sampling-parameter rule" not in str(e):
+            raise
+        return effective_sampling("vllm", "0.33", t, k, p, m)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestInfo:
+    """What the plugin needs of one request, computed once per request: its transform program (None: vLLM
+    samples on its own), the engine's effective sampling record, the number of logprob columns vLLM returns for
+    its sampled and prompt tokens (None: none), and its non-contract features."""
+    program: TransformProgram | None
+    sampling: dict
+    sample_cols: int | None
+    prompt_cols: int | None
+    reasons: tuple
+
+
+def request_info(params) -> RequestInfo:
+    n = getattr(params, "logprobs", None)
+    if n is None and getattr(params, "logprob_token_ids", None):
+        n = len(params.logprob_token_ids)
+    np_ = getattr(params, "prompt_logprobs", None)
+    prog = transform_program(params)
+    samp = request_sampling(params).to_dict()
+    samp["program"] = None if prog is None or prog.is_neutral(1 << 62) else prog.to_dict()
+    return RequestInfo(program=prog, sampling=samp,
+                       sample_cols=None if n is None or n < 0 else 1 + int(n),
+                       prompt_cols=None if np_ is None or np_ < 0 else 1 + int(np_),
+                       reasons=tuple(request_reasons(params)))
 
 
 def transform_program(params) -> TransformProgram | None:
@@ -109,8 +170,10 @@ def engine_reasons(vllm_config, *, scale: float = 1.0, soft_cap=None, logits_as_
     if mc is not None:
         if mc.dtype != torch.bfloat16:
             r.append(f"model dtype {mc.dtype} (contract v1 covers bf16 hidden states and weights)")
-        if getattr(mc, "logprobs_mode", "raw_logprobs") in ("raw_logits", "processed_logits"):
-            r.append(f"logprobs_mode={mc.logprobs_mode} (the plugin returns logprobs)")
+        if getattr(mc, "logprobs_mode", "raw_logprobs") not in LOGPROBS_MODES:
+            r.append(f"logprobs_mode={mc.logprobs_mode} (not one of {', '.join(LOGPROBS_MODES)})")
+        if getattr(mc, "logits_processors", None):
+            r.append("custom logits processors (--logits-processors)")
         if getattr(mc, "quantization", None):
             r.append(f"quantization={mc.quantization}")
     pc = getattr(vllm_config, "parallel_config", None)

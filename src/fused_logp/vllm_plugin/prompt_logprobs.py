@@ -1,14 +1,13 @@
 """The prompt-logprob surface: V1 `GPUModelRunner._get_prompt_logprobs_dict` (with `Sampler.gather_logprobs`)
-and MRV2 `PromptLogprobsWorker` (with its module's `compute_topk_scores`). A prompt row is scored like a sampled
-row of its request: at the request's scoring temperature and under its transform program."""
+and MRV2 `PromptLogprobsWorker` (with its module's `compute_topk_scores`). A prompt row is scored as vLLM defines
+prompt logprobs: the model's distribution, without any sampling processor (log softmax(z) at T = 1 in both
+*_logprobs modes, the logits z in both *_logits modes; scoring.PROMPT_MODE), whatever the request's temperature
+and transform program."""
 from __future__ import annotations
 
 import functools
 
-import torch
-
-from ..shared_contract.sampling import scoring_temperature
-from .policy import transform_program
+from .policy import request_info
 from .scoring import rescore
 from .state import PROMPT_CTX, PromptCtx, mark_of
 
@@ -30,12 +29,11 @@ def install_v1() -> None:
         mark = mark_of(z)
         if mark is None or not ctx.queue:
             return lt
-        req_id, temp, n, prog = ctx.queue.pop(0)
+        req_id, n, info = ctx.queue.pop(0)
         if n != z.shape[0]:
             raise RuntimeError(f"fused_logp: prompt logprob rows out of step for request {req_id} "
                                f"({z.shape[0]} rows, expected {n})")
-        t = torch.full((n,), temp, dtype=torch.float32, device=z.device)
-        return rescore(lt, z, t, mark, req_ids=[req_id] * n, kind="prompt", programs=[prog] * n)
+        return rescore(lt, z, None, mark, req_ids=[req_id] * n, kind="prompt", mode=ctx.mode, infos=[info] * n)
 
     @functools.wraps(orig_prompt)
     def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens, *args, **kwargs):
@@ -48,11 +46,12 @@ def install_v1() -> None:
             remaining = len(req.prompt_token_ids) - (req.num_computed_tokens + 1)
             n = num_tokens if num_tokens <= remaining else remaining
             if n > 0:
-                queue.append((req_id, scoring_temperature(req.sampling_params.temperature), n,
-                              transform_program(req.sampling_params)))
+                info = getattr(req, "_fused_logp_info", None) or request_info(req.sampling_params)
+                queue.append((req_id, n, info))
         if not queue:
             return orig_prompt(self, hidden_states, num_scheduled_tokens, *args, **kwargs)
-        token = PROMPT_CTX.set(PromptCtx(queue))
+        mode = getattr(getattr(self, "model_config", None), "logprobs_mode", None)
+        token = PROMPT_CTX.set(PromptCtx(queue, mode=mode))
         try:
             return orig_prompt(self, hidden_states, num_scheduled_tokens, *args, **kwargs)
         finally:
@@ -71,9 +70,7 @@ def install_mrv2() -> None:
 
     @functools.wraps(orig_add)
     def add_request(self, req_id, req_idx, sampling_params, *args, **kwargs):
-        self.__dict__.setdefault("_fused_logp_temperature", {})[req_idx] = \
-            scoring_temperature(sampling_params.temperature)
-        self.__dict__.setdefault("_fused_logp_programs", {})[req_idx] = transform_program(sampling_params)
+        self.__dict__.setdefault("_fused_logp_info", {})[req_idx] = request_info(sampling_params)
         return orig_add(self, req_id, req_idx, sampling_params, *args, **kwargs)
 
     @functools.wraps(orig_compute)
@@ -81,8 +78,7 @@ def install_mrv2() -> None:
         uses = getattr(self, "uses_prompt_logprobs", None)
         if uses is not None and not uses[input_batch.idx_mapping_np].any():
             return orig_compute(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
-        temps = self.__dict__.get("_fused_logp_temperature", {})
-        progs = self.__dict__.get("_fused_logp_programs", {})
+        infos = self.__dict__.get("_fused_logp_info", {})
         qsl = input_batch.query_start_loc_np
         # vLLM scores every row of the batch and keeps, per request that wants prompt logprobs and is still in
         # its prompt, the rows up to its last prompt position (the last query row predicts a sampled token);
@@ -90,7 +86,7 @@ def install_mrv2() -> None:
         prompt_lens = kwargs.get("prompt_lens", args[2] if len(args) > 2 else None)
         computed = getattr(input_batch, "num_computed_prefill_tokens_np", None)
         scheduled = getattr(input_batch, "num_scheduled_tokens", None)
-        rows, req_rows, prog_rows = [], [], []
+        req_rows, info_rows = [], []
         for i, req_id in enumerate(input_batch.req_ids):
             n = int(qsl[i + 1] - qsl[i])
             req_idx = int(input_batch.idx_mapping_np[i])
@@ -101,10 +97,10 @@ def install_mrv2() -> None:
                 wanted = wanted and int(computed[i]) < plen
                 if int(computed[i]) + int(scheduled[i]) < plen:
                     real = n                                  # a prompt chunk: every row is a prompt row
-            rows += [temps.get(req_idx, 1.0)] * n
             req_rows += [req_id if wanted and j < real else None for j in range(n)]
-            prog_rows += [progs.get(req_idx)] * n
-        token = PROMPT_CTX.set(PromptCtx([], rows=rows, req_rows=req_rows, prog_rows=prog_rows))
+            info_rows += [infos.get(req_idx)] * n
+        token = PROMPT_CTX.set(PromptCtx([], rows=req_rows, req_rows=req_rows, info_rows=info_rows,
+                                         mode=getattr(self, "logprobs_mode", None)))
         try:
             return orig_compute(self, logits_fn, hidden_states, input_batch, *args, **kwargs)
         finally:
@@ -119,9 +115,8 @@ def install_mrv2() -> None:
             return lt
         n, o = logits.shape[0], ctx.offset
         ctx.offset += n
-        t = torch.tensor(ctx.rows[o:o + n], dtype=torch.float32, device=logits.device)
-        return rescore(lt, logits, t, mark, req_ids=ctx.req_rows[o:o + n], kind="prompt",
-                       programs=ctx.prog_rows[o:o + n])
+        return rescore(lt, logits, None, mark, req_ids=ctx.req_rows[o:o + n], kind="prompt", mode=ctx.mode,
+                       infos=ctx.info_rows[o:o + n])
 
     W.add_request = add_request
     W.compute_prompt_logprobs = compute_prompt_logprobs

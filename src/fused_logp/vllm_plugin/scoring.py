@@ -132,15 +132,53 @@ def contract_columns(z: torch.Tensor, ids: torch.Tensor, temperature, mark: Mark
                             strict=st.settings.strict).logp
 
 
+# the meaning of a prompt row's values in each logprobs mode: vLLM scores prompt tokens without any sampling
+# processor (V1 GPUModelRunner._get_prompt_logprobs_dict, MRV2 PromptLogprobsWorker): log softmax(z) at T = 1 in
+# both *_logprobs modes, the logits z in both *_logits modes
+PROMPT_MODE = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "raw_logprobs",
+               "raw_logits": "raw_logits", "processed_logits": "raw_logits"}
+
+
+def row_mode(mode: str | None, kind: str) -> str:
+    """The logprobs mode a row's values follow: the engine's for sampled rows, PROMPT_MODE's for prompt rows
+    (None: the engine's default, raw_logprobs)."""
+    mode = mode or "raw_logprobs"
+    return PROMPT_MODE.get(mode, mode) if kind == "prompt" else mode
+
+
+def logit_columns(z: torch.Tensor, ids: torch.Tensor, temperature=None, groups=None) -> torch.Tensor:
+    """[N, C] FP32: the op's logit of every id column (raw_logits), or, with `temperature` (a tensor [N] of the
+    rows' scoring temperatures, or a callable returning it), the scaled logit z_id / T of CONTRACT.md section 3
+    (one binary32 division) with -inf for an id outside its row's kept set (groups: program_groups), which is
+    what vLLM's processed_logits are on those rows."""
+    ids64 = ids.to(device=z.device, dtype=torch.int64)
+    v = z.gather(1, ids64)
+    if temperature is None:
+        return v
+    if callable(temperature):
+        temperature = temperature()
+    v = torch.div(v, temperature.to(device=v.device, dtype=torch.float32)[:, None])
+    for prog, rows in (groups or {}).items():
+        idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
+        kept = kept_mask(z.index_select(0, idx), prog).gather(1, ids64.index_select(0, idx))
+        v[idx] = torch.where(kept, v.index_select(0, idx), torch.full_like(kept, float("-inf"), dtype=v.dtype))
+    return v
+
+
 def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind="sample", programs=None,
-            unit_temperature: bool = False, record=None, groups=None, scored: bool = False):
-    """LogprobsTensors with every column replaced by the contract logp of its id (padding columns, -inf in
-    vLLM's output, stay -inf). z [N, V] fp32 unscaled; temperature [N] fp32 (a tensor, or a callable returning
-    it). A row whose program (programs[r]) is not neutral gets the program's logp instead, -inf for an id outside
-    its kept set. unit_temperature: see contract_columns. record: the (request id, program) pairs to record for the
-    programs RPC (default: every row's). groups: program_groups(programs, V) where the caller has it already.
-    scored: lt's columns are contract_columns already (vLLM's logprob kernel was the contract's this step); only
-    the programs record and the capture are done."""
+            unit_temperature: bool = False, record=None, groups=None, scored: bool = False,
+            mode: str | None = "processed_logprobs", infos=None):
+    """LogprobsTensors with every column replaced by the contract value of its id in the logprobs mode `mode`
+    (row_mode: prompt rows follow PROMPT_MODE), vLLM's meaning of each mode with the op's arithmetic:
+    raw_logprobs: log softmax(z) at T = 1 over the full vocabulary, no program; processed_logprobs: the contract
+    logp at the row's scoring temperature, or under its program (-inf for an id outside the kept set);
+    raw_logits: z; processed_logits: z / T, -inf outside a program's kept set. Padding columns, -inf in vLLM's
+    output, stay -inf. z [N, V] fp32 unscaled; temperature [N] fp32 (a tensor, or a callable returning it).
+    unit_temperature: see contract_columns. record: the (request id, program) pairs to record for the programs RPC
+    (default: every row's). groups: program_groups(programs, V) where the caller has it already. scored: lt's
+    columns are contract_columns already (vLLM's logprob kernel was the contract's this step); only the programs
+    record and the capture are done. infos: per row, the request's policy.RequestInfo (its effective sampling
+    record and column counts, for the capture), or None."""
     st = mark.state
     if lt is None:
         return lt
@@ -148,19 +186,32 @@ def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind=
     if ids.numel() == 0 or ids.shape[1] > z.shape[1]:
         st.note(["full-vocabulary logprobs (-1) are vLLM's"])
         return lt
+    m = row_mode(mode, kind)
+    processed = m in ("processed_logprobs", "processed_logits")
+    if groups is None:
+        groups = program_groups(programs, z.shape[1]) if processed else {}
+    elif not processed:
+        groups = {}
+    if not processed:
+        temperature, unit_temperature = None, True
     if scored:
         new = lt.logprobs
     else:
         old = lt.logprobs
-        new = contract_columns(z, ids, temperature, mark, unit_temperature=unit_temperature)
-        ids64 = None
-        for prog, rows in (program_groups(programs, z.shape[1]) if groups is None else groups).items():
-            if ids64 is None:
-                ids64 = ids.to(device=z.device, dtype=torch.int64)
-            idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
-            lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
-                                                   vocab_size=z.shape[1], require_kept=False)
-            new[idx] = torch.where(kept, lp, torch.full_like(lp, float("-inf"))).to(new.device)
+        if m in ("raw_logits", "processed_logits"):
+            st.rows_rescored += int(z.shape[0])
+            new = logit_columns(z, ids, temperature if processed else None, groups)
+        else:
+            new = contract_columns(z, ids, 1.0 if temperature is None else temperature, mark,
+                                   unit_temperature=unit_temperature)
+            ids64 = None
+            for prog, rows in groups.items():
+                if ids64 is None:
+                    ids64 = ids.to(device=z.device, dtype=torch.int64)
+                idx = torch.tensor(rows, dtype=torch.int64, device=z.device)
+                lp, _, kept = program_logp_from_logits(z.index_select(0, idx), ids64.index_select(0, idx), prog,
+                                                       vocab_size=z.shape[1], require_kept=False)
+                new[idx] = torch.where(kept, lp, torch.full_like(lp, float("-inf"))).to(new.device)
         if new.device != old.device:
             new = new.to(old.device)
         new = new.masked_fill(torch.isneginf(old), float("-inf"))
@@ -173,7 +224,8 @@ def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind=
             temperature = torch.full((z.shape[0],), GREEDY_SCORING_TEMPERATURE, dtype=torch.float32)
         elif callable(temperature):
             temperature = temperature()
-        capture(st, mark.hidden, temperature, ids.to(torch.int64), new, req_ids, kind, programs)
+        capture(st, mark.hidden, temperature, ids.to(torch.int64), new, req_ids, kind,
+                programs if processed else None, mode=m, infos=infos)
     return lt if scored else lt._replace(logprobs=new)
 
 
@@ -183,17 +235,27 @@ def json_float(v: float):
     return v if math.isfinite(v) else repr(v)
 
 
-def capture(st, hidden, temperature, ids, logp, req_ids, kind, programs=None):
-    """Append one record per row to the head's bounded capture buffer; every value JSON-safe."""
+def capture(st, hidden, temperature, ids, logp, req_ids, kind, programs=None, *, mode="processed_logprobs",
+            infos=None):
+    """Append one record per row to the head's bounded capture buffer; every value JSON-safe. A row holds
+    exactly the columns vLLM returns for its request (infos[r].sample_cols / prompt_cols; vLLM computes the
+    batch's largest count for every row and keeps each request's own). `temperature` and `program` are what the
+    values were computed at (T = 1 and None in the raw modes and for prompt rows), `logprobs_mode` what they are
+    (row_mode), `sampling` the engine's effective sampling of the request (policy.RequestInfo.sampling)."""
     h = hidden.detach().cpu()
     t, i, lp = temperature.cpu().tolist(), ids.cpu().tolist(), logp.cpu().tolist()
     for r in range(len(i)):
         if kind == "prompt" and (req_ids is None or req_ids[r] is None):
             continue                              # a row vLLM scores but does not return
+        info = None if infos is None else infos[r]
+        cols = None if info is None else (info.prompt_cols if kind == "prompt" else info.sample_cols)
+        ids_r, lp_r = (i[r], lp[r]) if cols is None else (i[r][:cols], lp[r][:cols])
         prog = None if programs is None or programs[r] is None else programs[r].to_dict()
         st.captured.append({
             "kind": kind, "req_id": None if req_ids is None else req_ids[r],
             "hidden": h[r].contiguous().view(torch.int16).tolist(),      # bf16 bit patterns
-            "temperature": t[r], "ids": i[r], "logprobs": [json_float(x) for x in lp[r]],
-            "program": prog,                      # TransformProgram.to_dict(), None: vLLM's own sampling
+            "temperature": t[r], "ids": ids_r, "logprobs": [json_float(x) for x in lp_r],
+            "program": prog,                      # TransformProgram.to_dict() the values are under, or None
+            "logprobs_mode": mode,
+            "sampling": None if info is None else info.sampling,
         })

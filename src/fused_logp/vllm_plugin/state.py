@@ -35,11 +35,15 @@ class RowBatch:
     `recorded` is the (head state, programs-RPC epoch) at which these rows' programs were last recorded: they are
     recorded once per epoch, not on every step."""
 
-    __slots__ = ("req_ids", "programs", "all_programs", "host_temperature", "recorded", "_groups")
+    __slots__ = ("req_ids", "programs", "all_programs", "host_temperature", "recorded", "_groups", "infos",
+                 "reasons")
 
-    def __init__(self, req_ids: list, programs: list | None):
+    def __init__(self, req_ids: list, programs: list | None, infos: list | None = None):
         self.req_ids = req_ids
         self.programs = programs
+        self.infos = infos                # per row: policy.RequestInfo of its request (or None)
+        # the non-contract features of the batch's requests (the status's non_contract list)
+        self.reasons = sorted({r for i in (infos or ()) if i is not None for r in i.reasons})
         self.all_programs = programs is not None and all(p is not None for p in programs)
         self.host_temperature = None
         self.recorded = _NOT_RECORDED
@@ -70,17 +74,22 @@ class RowBatch:
 
 @dataclasses.dataclass
 class PromptCtx:
-    queue: list                     # V1: [(req_id, temperature, rows, program)] in the order vLLM scores them
+    queue: list                     # V1: [(req_id, rows, info)] in the order vLLM scores them
     last_logits: object = None
     rows: list | None = None        # MRV2: per-row temperature, request id and program
     req_rows: list | None = None
     prog_rows: list | None = None
+    info_rows: list | None = None   # MRV2: per-row policy.RequestInfo
+    mode: str | None = None         # the engine's logprobs mode
     offset: int = 0
 
 
 class CaptureBuffer:
     """The rows kept for audits (settings `capture: true`), bounded: at most `limit` rows; when full, the
-    oldest rows are dropped first and counted in `dropped` (the status and every drain report it)."""
+    oldest rows are dropped first and counted in `dropped` (the status and every drain report it).
+
+    A read that does not drain (peek) marks the rows it returned as sent; ack(n) then drops at most n of the
+    oldest rows *sent* and never a row no read has returned (one appended after the read, or beyond it)."""
 
     def __init__(self, limit: int):
         if not isinstance(limit, int) or limit < 1:
@@ -88,21 +97,36 @@ class CaptureBuffer:
         self.limit = limit
         self.rows: collections.deque = collections.deque()
         self.dropped = 0
+        self._first = 0                   # sequence number of rows[0]
+        self._sent = 0                    # rows with a sequence number below this were returned by a read
 
     def append(self, row: dict) -> None:
         if len(self.rows) >= self.limit:
             self.rows.popleft()
+            self._first += 1
             self.dropped += 1
         self.rows.append(row)
 
     def take(self, n: int | None = None) -> list:
         """Remove and return the oldest n rows (all with None)."""
         n = len(self.rows) if n is None else min(n, len(self.rows))
+        self._first += n
         return [self.rows.popleft() for _ in range(n)]
 
     def peek(self, n: int | None = None) -> list:
         n = len(self.rows) if n is None else min(n, len(self.rows))
+        self._sent = max(self._sent, self._first + n)
         return [self.rows[i] for i in range(n)]
+
+    def sent_unacked(self) -> int:
+        """Rows returned by a read and still held."""
+        return max(0, min(self._sent - self._first, len(self.rows)))
+
+    def ack(self, n: int) -> int:
+        """Drop the oldest min(n, sent_unacked()) rows; returns how many were dropped."""
+        k = min(n, self.sent_unacked())
+        self.take(k)
+        return k
 
     def __len__(self):
         return len(self.rows)

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .policy import transform_program
+from .policy import request_info
 from .scoring import (all_unit_temperature, check_sampled, effective_temperature, host_scoring_temperature, kept_rows,
                       program_groups, rescore)
 from .state import ROW_BATCH, SAMPLE_KEEP, RowBatch, mark_of
@@ -86,11 +86,30 @@ def neutralise(md, groups: dict, vocab: int):
     return dataclasses.replace(md, top_k=top_k, top_p=top_p), restore
 
 
-def install_sampler() -> None:
+def _logprobs_mode(sampler, args, kwargs):
+    """The logprobs mode of this Sampler.forward call (its logprobs_mode_override, else the sampler's)."""
+    override = kwargs.get("logprobs_mode_override", args[1] if len(args) > 1 else None)
+    return override or getattr(sampler, "logprobs_mode", None) or "raw_logprobs"
+
+
+def install_sampler(shapes=None) -> None:
+    from vllm.v1.sample import sampler as sampler_module
     from vllm.v1.sample.sampler import Sampler
 
     orig_forward = Sampler.forward
     orig_sample = Sampler.sample
+    if shapes is not None and shapes.v1_fused_raw_sample:
+        # vLLM 0.33: Sampler.forward may sample from the raw logits in one fused kernel (mixed_sample_eligible,
+        # ROCm gfx1250 only), skipping Sampler.sample: never for a batch with a kept set to sample from
+        orig_eligible = sampler_module.mixed_sample_eligible
+
+        @functools.wraps(orig_eligible)
+        def mixed_sample_eligible(sampling_metadata, *args, **kwargs):
+            if SAMPLE_KEEP.get() is not None:
+                return False
+            return orig_eligible(sampling_metadata, *args, **kwargs)
+
+        sampler_module.mixed_sample_eligible = mixed_sample_eligible
 
     @functools.wraps(orig_forward)
     def forward(self, logits, sampling_metadata, *args, **kwargs):
@@ -113,6 +132,8 @@ def install_sampler() -> None:
             md, restore = neutralise(md, groups, vocab)
         if rb is not None:
             mark.state.note(non_contract_flags(md, all_programs=programs is not None and rb.all_programs))
+            if rb.reasons:
+                mark.state.note(rb.reasons)
         want = md.max_num_logprobs is not None or bool(md.logprob_token_ids)
         z = logits.clone() if want else None          # the sampler divides FP32 logits by T in place
         token = SAMPLE_KEEP.set(keep)
@@ -135,9 +156,11 @@ def install_sampler() -> None:
                 temperature = functools.partial(effective_temperature, md.temperature, n, z.device)
             st = mark.state
             record = None if programs is None else rb.to_record(st)
+            infos = None if rb is None or rb.infos is None or len(rb.infos) != n else rb.infos
             out.logprobs_tensors = rescore(out.logprobs_tensors, z, temperature,
                                            mark, req_ids=None if rb is None else rb.req_ids, programs=programs,
-                                           unit_temperature=unit, record=record, groups=groups)
+                                           unit_temperature=unit, record=record, groups=groups,
+                                           mode=_logprobs_mode(self, args, kwargs), infos=infos)
             if record is not None:
                 rb.mark_recorded(st)
         return out
@@ -157,18 +180,24 @@ def install_sampler() -> None:
 _UNSET = object()
 
 
-def _program_of(req):
-    """A request's transform program, computed once per request (kept on vLLM's request state)."""
-    if req is None:
+def info_of(req):
+    """A request's policy.RequestInfo (transform program, effective sampling, column counts), computed once per
+    request (kept on vLLM's request state); None for a request state without sampling parameters."""
+    if req is None or getattr(req, "sampling_params", None) is None:
         return None
-    prog = getattr(req, "_fused_logp_program", _UNSET)
-    if prog is _UNSET:
-        prog = transform_program(req.sampling_params)
+    info = getattr(req, "_fused_logp_info", _UNSET)
+    if info is _UNSET:
+        info = request_info(req.sampling_params)
         try:
-            req._fused_logp_program = prog
+            req._fused_logp_info = info
         except AttributeError:            # a request state that takes no attributes: compute every step
             pass
-    return prog
+    return info
+
+
+def _program_of(req):
+    info = info_of(req)
+    return None if info is None else info.program
 
 
 def install_runner() -> None:
@@ -186,8 +215,9 @@ def install_runner() -> None:
         rb = self.__dict__.get("_fused_logp_rows")
         if rb is None or not rb.same_rows(req_ids, with_programs):     # the batch changed: once per composition
             req_ids = list(req_ids)
+            infos = [info_of(self.requests.get(r)) for r in req_ids]
             rb = self.__dict__["_fused_logp_rows"] = RowBatch(
-                req_ids, [_program_of(self.requests.get(r)) for r in req_ids] if with_programs else None)
+                req_ids, [None if i is None else i.program for i in infos] if with_programs else None, infos)
         # vLLM's host copy of the rows' sampling temperatures (its source of truth for the batch)
         host_t = getattr(ib, "temperature_cpu", None)
         rb.host_temperature = None if host_t is None or not with_programs else host_t[: len(rb.req_ids)]
