@@ -22,6 +22,15 @@ Parts (each an in-process engine in its own subprocess; the plugin registered by
          processes (speed-serve) pinned to the same vCPUs, taking turns one timed run at a time, N alternating pairs
          per batch size (run_speed_paired): the separate-engine comparison without the host's drift between engines.
   score  : the trainer-side scoring time, linear_logp (SM90) against F.linear + log_softmax + gather.
+  logprobs-mode --runner v2|v1 --logprobs-mode M : one engine in vLLM's logprobs mode M (raw_logprobs,
+         processed_logprobs, raw_logits, processed_logits), strict with capture: plain, greedy, T = 1e-6 and 5e-3
+         (vLLM raises both to 0.01) and top-k / top-p / min-p program requests, all with prompt logprobs (so prompt
+         logprobs under a program), and an n = 2 request; every returned value against the documented trainer call
+         (vllm_plugin.trainer.expected_values) on the captured rows, the rows' ids against the request's, the
+         recorded effective sampling against shared_contract.sampling.effective_sampling.
+  modes  : logprobs-mode for every mode and both runners (8 engines, 4 at a time), OUTDIR/vllm-gpu-modes.json.
+
+    python bench/vllm_gpu.py modes --out OUTDIR
 """
 from __future__ import annotations
 
@@ -139,12 +148,15 @@ def _lm_head(model_dir, device=DEV):
         return f.get_tensor("lm_head.weight")
 
 
-def _engine(model_dir, *, plugin: bool, capture: bool, eager: bool, max_num_seqs: int, share: float = 0.2):
+def _engine(model_dir, *, plugin: bool, capture: bool, eager: bool, max_num_seqs: int, share: float = 0.2,
+            logprobs_mode: str | None = None):
     from vllm import LLM
 
     kw = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
               max_num_seqs=max_num_seqs, kv_cache_memory_bytes=6 << 30, gpu_memory_utilization=share, seed=0,
               enforce_eager=eager)
+    if logprobs_mode:
+        kw["logprobs_mode"] = logprobs_mode
     if DRY:
         kw.update(kv_cache_memory_bytes=64 << 20, enforce_eager=True, max_model_len=256)
         kw.pop("gpu_memory_utilization")
@@ -283,6 +295,121 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
                      "after_reload": _compare(o, llm.collective_rpc("fused_logp_captured")[0], new_w, meta[:2])}
     res["total_s"] = round(time.time() - t0, 1)
     return res
+
+
+# --------------------------------------------------------------------------------------------------------------
+# logprobs modes
+# --------------------------------------------------------------------------------------------------------------
+
+MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+MODE_CASES = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=0.0), dict(temperature=1e-6),
+              dict(temperature=5e-3), dict(temperature=0.8, top_k=50), dict(temperature=1.0, top_p=0.9),
+              dict(temperature=1.0, min_p=0.1), dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05),
+              dict(temperature=5e-3, top_p=0.5), dict(temperature=0.9, top_k=20, n=2)]
+
+
+def run_logprobs_mode(model_dir, runner: str, logprobs_mode: str) -> dict:
+    import torch
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fused_logp.shared_contract.sampling import effective_sampling
+    from fused_logp.vllm_plugin import completion_index, expected_values
+
+    t0 = time.time()
+    llm = _engine(model_dir, plugin=True, capture=True, eager=False, max_num_seqs=64, logprobs_mode=logprobs_mode)
+    res = {"runner": runner, "logprobs_mode": logprobs_mode, "start_s": round(time.time() - t0, 1)}
+    head = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
+    res["status"] = {k: head[k] for k in ("strict", "backend", "fallback", "non_contract")}
+    res["status"]["provenance_backend"] = (head["provenance"] or {}).get("backend")
+    weight = _lm_head(model_dir)
+    llm.collective_rpc("fused_logp_captured")
+    g = torch.Generator().manual_seed(3)
+    prompts, params = [], []
+    for i, kw in enumerate(MODE_CASES):
+        for j in range(2):
+            prompts.append(TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (5 + 3 * j,), generator=g).tolist()))
+            params.append(SamplingParams(max_tokens=8, logprobs=1 + (i + j) % 5, prompt_logprobs=2,
+                                         seed=300 + 10 * i + j, ignore_eos=True, **kw))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    captured = llm.collective_rpc("fused_logp_captured")[0]
+    vals = bad = neginf = wrong_ids = wrong_sampling = 0
+    first_bad = None
+    floor = []
+    with torch.inference_mode():
+        for p, kw, o in zip(prompts, [c for c in MODE_CASES for _ in range(2)], outs):
+            want_s = effective_sampling("vllm", vllm.__version__, kw["temperature"], kw.get("top_k"),
+                                        kw.get("top_p"), kw.get("min_p")).to_dict()
+            mine = [c for c in captured if completion_index(c["req_id"], o.request_id) is not None]
+            first = min(c.index for c in o.outputs)
+            pairs = []
+            for comp in o.outputs:
+                rows = [c for c in mine if c["kind"] == "sample" and
+                        completion_index(c["req_id"], o.request_id) == comp.index]
+                pairs += [("sample", r, d) for r, d in zip(rows, comp.logprobs)]
+                wrong_ids += abs(len(rows) - len(comp.logprobs))
+            prows = [c for c in mine if c["kind"] == "prompt" and completion_index(c["req_id"], o.request_id) == first]
+            pairs += [("prompt", r, d) for r, d in zip(prows, (o.prompt_logprobs or [None])[1:])]
+            wrong_ids += abs(len(prows) - (len(p["prompt_token_ids"]) - 1))
+            for kind, c, d in pairs:
+                s = dict(c["sampling"])
+                s.pop("program")
+                wrong_sampling += s != want_s
+                if kw["temperature"] in (1e-6, 5e-3):
+                    floor.append(c["sampling"]["temperature"])
+                wrong_ids += set(c["ids"]) != set(d)
+                h = torch.tensor([c["hidden"]], dtype=torch.int16).view(torch.bfloat16).to(DEV)
+                ids = torch.tensor([c["ids"]], dtype=torch.int64, device=DEV)
+                want = expected_values(h, weight, ids, logprobs_mode=logprobs_mode, kind=kind,
+                                       sampling=c["sampling"], vocab_size=VOCAB)[0]
+                got = torch.tensor([d[i].logprob for i in c["ids"]], dtype=torch.float64).to(torch.float32).to(DEV)
+                nb = int((got.view(torch.int32) != want.view(torch.int32)).sum())
+                vals += len(c["ids"])
+                bad += nb
+                neginf += int(torch.isneginf(want).sum())
+                if nb and first_bad is None:
+                    first_bad = {"req": o.request_id, "kind": kind, "ids": c["ids"], "vllm": got.tolist(),
+                                 "trainer": want.tolist(), "sampling": c["sampling"]}
+    res.update(values=vals, mismatches=bad, neg_inf_values=neginf, rows_with_wrong_ids=wrong_ids,
+               rows_with_wrong_sampling_record=wrong_sampling, floor_temperatures=sorted(set(floor)),
+               first_mismatch=first_bad, total_s=round(time.time() - t0, 1))
+    return res
+
+
+def run_modes(out: Path, model_dir: Path, deadline_s: float) -> dict:
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+    result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (dry run)"}
+    try:
+        import vllm
+        result["vllm"] = vllm.__version__
+    except Exception as e:  # noqa: BLE001
+        result["vllm"] = f"import failed: {e}"
+    make_model(model_dir)
+    runners = ("v1",) if DRY else ("v2", "v1")       # vLLM's V2 runner needs Triton: GPU only
+    modes = [m for m in os.environ.get("FUSED_LOGP_VLLM_BENCH_MODES", ",".join(MODES)).split(",") if m]
+    for runner in runners:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+        procs = {}
+        for mode in modes:
+            name = f"mode-{runner}-{mode}"
+            procs[name] = _child(["logprobs-mode", "--runner", runner, "--logprobs-mode", mode, "--model-dir",
+                                  str(model_dir), "--json", str(out / f"{name}.json")], out / f"{name}.log", 0)[0]
+        _wait(procs, t0 + deadline_s * (0.5 if runner == runners[0] and len(runners) > 1 else 1.0), result, out)
+    parts = {k: v for k, v in result.items() if k.startswith("mode-")}
+    result["summary"] = {
+        "parts": len(parts), "parts_ok": sum(isinstance(v, dict) and "values" in v for v in parts.values()),
+        "values": sum(v.get("values", 0) for v in parts.values() if isinstance(v, dict)),
+        "mismatches": sum(v.get("mismatches", 0) for v in parts.values() if isinstance(v, dict)),
+        "rows_with_wrong_ids": sum(v.get("rows_with_wrong_ids", 0) for v in parts.values() if isinstance(v, dict)),
+        "rows_with_wrong_sampling_record": sum(v.get("rows_with_wrong_sampling_record", 0)
+                                               for v in parts.values() if isinstance(v, dict))}
+    result["wall_s"] = round(time.time() - t0, 1)
+    (out / "vllm-gpu-modes.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1319,7 +1446,8 @@ def _write(out: Path, result: dict):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["all", "check", "speed", "speed-ab", "speed-serve", "score", "model",
-                                     "small-model", "mpstart"])
+                                     "small-model", "mpstart", "modes", "logprobs-mode"])
+    ap.add_argument("--logprobs-mode", default="raw_logprobs")
     ap.add_argument("--out", default="out/vllm-gpu")
     ap.add_argument("--model-dir", default="/tmp/fused_logp_qwen3_8bhead")
     ap.add_argument("--runner", default="v2")
@@ -1347,11 +1475,23 @@ def main():
     if a.what == "model":
         make_model(Path(a.model_dir))
         return
+    if a.what == "modes":
+        r = run_modes(Path(a.out), Path(a.model_dir), a.deadline)
+        print(json.dumps({k: v for k, v in r.items() if not k.startswith("mode-")}, default=str))
+        for k in sorted(r):
+            if k.startswith("mode-") and isinstance(r[k], dict):
+                print(k, {x: r[k].get(x) for x in ("values", "mismatches", "rows_with_wrong_ids",
+                                                   "rows_with_wrong_sampling_record", "floor_temperatures",
+                                                   "first_mismatch", "error", "start_s")})
+        raise SystemExit(0 if r["summary"]["parts_ok"] == r["summary"]["parts"] and not r["summary"]["mismatches"]
+                         and not r["summary"]["rows_with_wrong_ids"] else 1)
     if a.what == "speed-serve":                  # a child of speed-paired: commands on stdin, answers on stdout
         serve_speed(Path(a.model_dir), a.plugin, [int(c) for c in a.cpus.split(",") if c], share=a.share)
         return
     if a.what == "check":
         r = run_check(Path(a.model_dir), a.runner, a.mode)
+    elif a.what == "logprobs-mode":
+        r = run_logprobs_mode(Path(a.model_dir), a.runner, a.logprobs_mode)
     elif a.what == "mpstart":
         r = run_mpstart(Path(a.model_dir), a.plugin == "on")
     elif a.what == "speed":

@@ -26,7 +26,7 @@ def shared_tiny_model() -> Path:
     return _SHARED["model"]
 
 
-def shared_llm(model_dir, plugin_cfg):
+def shared_llm(model_dir, plugin_cfg, logprobs_mode: str | None = None):
     """One in-process vLLM engine per (model, plugin configuration) for the whole test process: the test modules
     that ask for the same one share its start-up. A request for another one shuts the previous one down first
     (one in-process engine at a time). Every caller leaves the engine's weights as it found them."""
@@ -36,7 +36,7 @@ def shared_llm(model_dir, plugin_cfg):
 
     from vllm import LLM
 
-    key = (str(model_dir), json.dumps(plugin_cfg, sort_keys=True))
+    key = (str(model_dir), json.dumps(plugin_cfg, sort_keys=True), logprobs_mode)
     if _SHARED.get("llm_key") == key:
         engine = _SHARED["llm"]
         engine.collective_rpc("fused_logp_captured")
@@ -46,7 +46,8 @@ def shared_llm(model_dir, plugin_cfg):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("FUSED_LOGP_VLLM", None)
     try:
-        engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(plugin_cfg))
+        engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(plugin_cfg),
+                     **({"logprobs_mode": logprobs_mode} if logprobs_mode else {}))
     finally:
         for k, v in saved.items():
             if v is None:
