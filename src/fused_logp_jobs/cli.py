@@ -120,17 +120,31 @@ def ladder(args) -> int:
     from .ladder import run_ladder
     rep = run_ladder(args.out)
     for c in rep["checks"]:
-        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['backend']:7s} {c['level']:6s} {c['check']}")
+        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['backend']:11s} {c['level']:6s} {c['check']}")
     print(f"report: {args.out}/ladder.md, {args.out}/ladder.json")
     failed = sum(not c["passed"] for c in rep["checks"])
     print(f"{len(rep['checks']) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="fused-logp", description=__doc__)
+def _positive(name):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+        return v
+    parse.__name__ = name
+    return parse
+
+
+def _parser():
+    from fused_logp.cli import Parser
+    p = Parser(prog="fused-logp", description=__doc__)
     p.add_argument("--config", help="YAML configuration (strict: true|false, backend: ...)")
-    sub = p.add_subparsers(dest="cmd")
+    sub = p.add_subparsers(dest="cmd", parser_class=Parser)
     d = sub.add_parser("demo", help="op checks on the embedded default, then the rollout -> trainer agreement job")
     d.add_argument("--op-only", action="store_true", help="only the op's own checks")
     ag = sub.add_parser("agreement", help="the rollout -> trainer agreement job alone")
@@ -139,18 +153,39 @@ def main(argv=None) -> int:
         sp.add_argument("--no-strict", dest="strict", action="store_false",
                         help="do not fail on a mismatch (default: strict, non-zero exit on any mismatch)")
     rlp = sub.add_parser("rl", help="a short on-policy RL loop (vLLM rollout, Megatron step, weight sync), strict")
-    rlp.add_argument("--steps", type=int, default=5)
+    rlp.add_argument("--steps", type=_positive("steps"), default=5, help="iterations, >= 1 (default 5)")
     rlp.add_argument("--out", default="out/rl")
     rlp.add_argument("--no-strict", dest="strict", action="store_false")
-    rlp.add_argument("--stale-at", type=int, default=None, help="skip the weight push before this step (a test)")
+    rlp.add_argument("--stale-at", type=_positive("stale-at"), default=None,
+                     help="skip the weight push before this step, 1 <= k < --steps (a test)")
     lad = sub.add_parser("ladder", help="run L1-L3 and the golden fingerprints on every backend here; write a report")
     lad.add_argument("--out", default="out/ladder", help="folder for ladder.md and ladder.json")
+    return p
+
+
+def _main(argv) -> int:
+    from fused_logp.atomic_io import check_output_dir
+    from fused_logp.cli import CliError
+    argv = list(argv)
+    p = _parser()
     args = p.parse_args(argv)
+    if args.cmd is None:
+        args = p.parse_args(["demo"] + argv)
     if args.config:
         set_config(load_config(args.config))
-    if args.cmd is None:
-        args = p.parse_args(["demo"] + list(argv or []))
+    check_output_dir(args.out, "--out")
+    if args.cmd == "rl" and args.stale_at is not None and args.stale_at >= args.steps:
+        raise CliError(f"argument --stale-at: expected 1 <= k < --steps ({args.steps}), got {args.stale_at}")
     return {"demo": demo, "agreement": agreement, "rl": rl, "ladder": ladder}[args.cmd](args)
+
+
+def main(argv=None, _wrapped: bool = False) -> int:
+    """The harness's commands; exit codes and messages as `fused-logp` (fused_logp/cli.py, docs/cli.md)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _wrapped:                     # inside fused_logp.cli.main, which maps failures to exit codes
+        return _main(argv)
+    from fused_logp.cli import main as top
+    return top(argv)
 
 
 if __name__ == "__main__":

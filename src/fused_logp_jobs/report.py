@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fused_logp.atomic_io import atomic_path, atomic_write_text
+
 
 def compare(rollout: np.ndarray, train: np.ndarray) -> dict:
     """Agreement of two per-token logprob arrays (FP32): mismatches by bytes, max |delta|, K3."""
@@ -84,7 +86,8 @@ def plot_drift(out_dir, series: dict, positions: np.ndarray) -> list[str]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         files.append(str(out / name))
-        fig.savefig(files[-1], dpi=120)
+        with atomic_path(files[-1]) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
         plt.close(fig)
     return files
 
@@ -93,10 +96,10 @@ def write_report(out_dir, title: str, table_rows: dict, extra: dict, plots: list
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = {"title": title, "comparisons": table_rows, **extra, "plots": [Path(p).name for p in plots]}
-    (out / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    atomic_write_text(out / "report.json", json.dumps(data, indent=2, default=str) + "\n")
     md = [f"# {title}", "", "```", agreement_table(table_rows), "```", ""]
     for key, val in extra.items():
         md += [f"## {key}", "", "```", json.dumps(val, indent=2, default=str), "```", ""]
     md += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    atomic_write_text(out / "report.md", "\n".join(md) + "\n")
     return str(out / "report.md"), str(out / "report.json")

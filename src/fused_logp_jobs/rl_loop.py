@@ -158,7 +158,8 @@ def _write(work: Path, result: dict):
     import matplotlib.ticker
 
     done = [r for r in result["steps"] if "contract_half" in r]
-    (work / "rl.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    from fused_logp.atomic_io import atomic_path, atomic_write_text
+    atomic_write_text(work / "rl.json", json.dumps(result, indent=2, default=str) + "\n")
     if not done:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -177,5 +178,6 @@ def _write(work: Path, result: dict):
         ax.legend(fontsize=7)
     fig.suptitle("Rollout vs trainer per step")
     fig.tight_layout()
-    fig.savefig(work / "rl_steps.png", dpi=120)
+    with atomic_path(work / "rl_steps.png") as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)

@@ -46,6 +46,34 @@ def _parse_bool(name: str, value: str) -> bool:
     raise ValueError(f"{name} must be one of 1/0/true/false/yes/no/on/off, got {value!r}")
 
 
+def _read_yaml(path) -> dict:
+    """The mapping of a YAML configuration file; ValueError naming the file and what is accepted otherwise."""
+    p = Path(path)
+    accepted = f"a YAML mapping with the keys {sorted(_FIELDS)}"
+    if not p.exists():
+        raise ValueError(f"configuration file {str(path)!r} does not exist; {accepted} is expected")
+    if p.is_dir():
+        raise ValueError(f"configuration file {str(path)!r} is a folder; {accepted} is expected")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"configuration file {str(path)!r} is not UTF-8 text; {accepted} is expected") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"configuration file {str(path)!r} is not valid YAML{at}: {problem}; {accepted} is "
+                         f"expected") from None
+    except OSError as exc:
+        raise ValueError(f"configuration file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"configuration file {str(path)!r} holds a YAML {type(data).__name__}; {accepted} is "
+                         f"expected")
+    return data
+
+
 def load_config(path: str | os.PathLike | None = None) -> Config:
     """Read a YAML configuration (or only the environment when path is None) and return it."""
     check_no_overrides(None)
@@ -53,15 +81,22 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     source = "defaults"
     path = path if path is not None else os.environ.get("FUSED_LOGP_CONFIG")
     if path:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the configuration must be a YAML mapping")
+        data = _read_yaml(path)
         check_no_overrides(data, source=f"YAML file {path}")
         unknown = set(data) - _FIELDS
         if unknown:
-            raise ValueError(f"{path}: unknown keys {sorted(unknown)}; accepted keys are {sorted(_FIELDS)}")
+            raise ValueError(f"configuration file {str(path)!r}: unknown keys {sorted(map(str, unknown))}; accepted "
+                             f"keys are {sorted(_FIELDS)}")
         values.update(data)
         source = str(path)
+        try:
+            return _with_env(values, source)
+        except ValueError as exc:
+            raise ValueError(f"configuration file {str(path)!r}: {exc}") from None
+    return _with_env(values, source)
+
+
+def _with_env(values: dict, source: str) -> Config:
     if "FUSED_LOGP_STRICT" in os.environ:
         values["strict"] = _parse_bool("FUSED_LOGP_STRICT", os.environ["FUSED_LOGP_STRICT"])
         source += "+env"
