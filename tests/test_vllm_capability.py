@@ -150,3 +150,104 @@ def test_mrv2_token_logprobs_shape():
     assert not capability.mrv2_token_logprobs_shape(_fake_logprob_module(by_name))
     from vllm.v1.worker.gpu.sample import logprob
     assert capability.mrv2_token_logprobs_shape(logprob) and capability.detect().mrv2_token_logprobs
+
+
+# -- vLLM 0.33 (read from the 0.33.0 wheel): the 0.32 hook shapes plus a fused raw-logits sampling path in the V1
+# Sampler.forward (mixed_sample_eligible, looked up by name) and MRV2's custom logits processors ---------------
+V1_033 = '''
+def mixed_sample_eligible(sm, predict_bonus_token):
+    return False
+
+class Sampler:
+    def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        if mixed_sample_eligible(sampling_metadata, predict_bonus_token):
+            return None
+        return self.sample(logits, sampling_metadata)
+
+    def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
+        raise NotImplementedError
+
+    @staticmethod
+    def gather_logprobs(logprobs, num_logprobs, token_ids):
+        raise NotImplementedError
+'''
+V1_032 = V1_033.replace("        if mixed_sample_eligible(sampling_metadata, predict_bonus_token):\n"
+                        "            return None\n", "")
+V1_ODD = V1_033.replace("mixed_sample_eligible", "fused_sample_eligible_v9")
+
+
+class MRV2Sampler033(MRV2Sampler032):
+    def __init__(self, vllm_config=None, max_num_reqs=1, vocab_size=1, device=None, req_states=None,
+                 logprobs_mode="raw_logprobs", custom_logits_processors=()):
+        super().__init__()
+
+
+def test_shape_of_vllm_033_accepted():
+    problems = []
+    m033, m032 = _fake_logprob_module(V1_033), _fake_logprob_module(V1_032)
+    assert capability.v1_sampler_shape(m033.Sampler, problems)
+    assert capability.v1_fused_raw_sample_shape(m033.Sampler, m033, problems) is True
+    assert capability.v1_fused_raw_sample_shape(m032.Sampler, m032, problems) is False      # 0.26 / 0.32
+    assert capability.head_shape(LP032, problems) is True
+    assert capability.mrv2_sampler_shape(MRV2Sampler033, problems) == (1, "get_logprobs_dims")
+    assert capability.mrv2_custom_lp_shape(MRV2Sampler033) and not capability.mrv2_custom_lp_shape(MRV2Sampler026)
+    assert problems == []
+    shapes = capability.HookShapes(vllm_version="0.33.0", head_skip_gather=True, v1_sampler=True,
+                                   v1_fused_raw_sample=True, mrv2=True, mrv2_sp_index=1,
+                                   mrv2_logprobs_probe="get_logprobs_dims", mrv2_custom_logits_processors=True)
+    assert capability.require(True, shapes) is shapes
+
+
+def test_unknown_033_variant_refused_in_strict_mode_naming_the_version():
+    problems = []
+    odd = _fake_logprob_module(V1_ODD)
+    assert capability.v1_fused_raw_sample_shape(odd.Sampler, odd, problems) is False
+    renamed = _fake_logprob_module(V1_033.replace("def mixed_sample_eligible(sm, predict_bonus_token)",
+                                                  "def mixed_sample_eligible(batch)"))
+    assert capability.v1_fused_raw_sample_shape(renamed.Sampler, renamed, problems) is False
+    assert len(problems) == 2 and "fused_sample_eligible_v9" in problems[0]
+    shapes = capability.HookShapes(vllm_version="0.33.0", problems=tuple(problems))
+    with pytest.raises(StrictModeError, match=r"vLLM 0\.33\.0 .*fused_sample_eligible_v9"):
+        capability.require(True, shapes)
+    assert capability.require(False, shapes) is shapes
+
+
+def test_033_fused_sample_path_is_turned_off_for_a_kept_set(monkeypatch):
+    """With the 0.33 shape the plugin wraps mixed_sample_eligible: False while a batch samples from a kept set,
+    vLLM's answer otherwise."""
+    from vllm.v1.sample import sampler as sm
+
+    from fused_logp.vllm_plugin import v1_sampler
+    from fused_logp.vllm_plugin.state import SAMPLE_KEEP
+
+    calls = []
+
+    def eligible(sampling_metadata, predict_bonus_token):
+        calls.append(1)
+        return True
+
+    monkeypatch.setattr(sm, "mixed_sample_eligible", eligible, raising=False)
+    monkeypatch.setattr(sm.Sampler, "forward", sm.Sampler.forward)
+    monkeypatch.setattr(sm.Sampler, "sample", sm.Sampler.sample)
+    v1_sampler.install_sampler(capability.HookShapes(vllm_version="0.33.0", v1_fused_raw_sample=True))
+    assert sm.mixed_sample_eligible(None, False) is True and calls == [1]
+    token = SAMPLE_KEEP.set(object())
+    try:
+        assert sm.mixed_sample_eligible(None, False) is False and calls == [1]
+    finally:
+        SAMPLE_KEEP.reset(token)
+
+
+def test_custom_logits_processors_are_outside_the_contract():
+    from types import SimpleNamespace
+
+    import torch
+
+    from fused_logp.vllm_plugin.policy import engine_reasons
+
+    mc = SimpleNamespace(dtype=torch.bfloat16, logprobs_mode="processed_logits", quantization=None,
+                         logits_processors=["my.Proc"])
+    cfg = SimpleNamespace(model_config=mc)
+    assert engine_reasons(cfg) == ["custom logits processors (--logits-processors)"]
+    mc.logits_processors, mc.logprobs_mode = None, "raw_logits"
+    assert engine_reasons(cfg) == []             # every logprobs mode is served in vLLM's meaning

@@ -44,7 +44,8 @@ def model_dir():
 
 @pytest.fixture
 def llm(model_dir):
-    return shared_llm(model_dir, PLUGIN_CFG)
+    # values at the request's temperature (vLLM's processed_logprobs; the default raw_logprobs is T = 1)
+    return shared_llm(model_dir, PLUGIN_CFG, logprobs_mode="processed_logprobs")
 
 
 _effective_t = scoring_temperature
@@ -74,8 +75,8 @@ def check_outputs(requests, captured, weight):
             for pos, (c, d) in enumerate(zip(g["prompt"], plps)):
                 assert c["ids"][0] == prompt[pos + 1]
                 assert set(d) == set(c["ids"])
-                for tid, lp in d.items():
-                    hid.append(c["hidden"]); ids.append(tid); temps.append(_effective_t(t)); want.append(lp)
+                for tid, lp in d.items():       # prompt logprobs: the model's distribution, T = 1
+                    hid.append(c["hidden"]); ids.append(tid); temps.append(1.0); want.append(lp)
     got = op_logp_rows(hid, ids, temps, weight)
     want_t = torch.tensor(want, dtype=torch.float64).to(torch.float32)
     assert torch.equal(torch.tensor(want, dtype=torch.float64), want_t.to(torch.float64)), "not FP32 values"
@@ -313,6 +314,11 @@ def test_non_strict_runs_outside_contract_with_provenance(model_dir):
     assert run["status"][0]["active"] and head["strict"] is False
     assert "top-k/top-p" in head["non_contract"] and "penalties" in head["non_contract"]
     assert all(len(o["tokens"]) == 4 for o in run["outputs"])
+    # logit_bias and min_tokens (vLLM's non-argmax-invariant processors) are listed too
+    run = _run_script(model_dir, {}, {"fused_logp": {"enabled": True, "strict": False}},
+                      {"logit_bias": {"5": 1.0}, "min_tokens": 2})
+    notes = run["status"][0]["heads"][0]["non_contract"]
+    assert "logit_bias" in notes and any(n.startswith("min_tokens") for n in notes), notes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -345,7 +351,8 @@ def server(model_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--dtype", "bfloat16", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "128",
            "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--kv-cache-memory-bytes", str(32 << 20),
-           "--port", str(port), "--host", "127.0.0.1", "--additional-config", json.dumps(PLUGIN_CFG)]
+           "--port", str(port), "--host", "127.0.0.1", "--additional-config", json.dumps(PLUGIN_CFG),
+           "--logprobs-mode", "processed_logprobs"]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -391,7 +398,7 @@ def test_server_completions_equal_op(server, model_dir):
     captured = r["results"][0]
     left = _post(base + "/collective_rpc", {"method": "fused_logp_captured_ack",
                                             "kwargs": {"n": len(captured)}})[1]["results"]
-    assert left == [{"left": 0}], left
+    assert left == [{"acked": len(captured), "left": 0, "unread": 0}], left
 
     reqs = []
     for b, (code, r) in zip(bodies, replies):
@@ -415,12 +422,24 @@ def test_server_completions_equal_op(server, model_dir):
     assert code == 200, r
     assert any(v == "-inf" for c in r["results"][0] for v in c["logprobs"])
 
+    # an acknowledgement larger than what a read returned drops nothing no read returned
+    code, r = _post(base + "/v1/completions", {"model": name, "prompt": [4, 5], "max_tokens": 2, "logprobs": 1,
+                                               "return_tokens_as_token_ids": True})
+    assert code == 200, r
+    ack = _post(base + "/collective_rpc", {"method": "fused_logp_captured_ack", "kwargs": {"n": 10 ** 6}})[1]
+    assert ack["results"][0]["acked"] == 0 and ack["results"][0]["unread"] == ack["results"][0]["left"] > 0, ack
+    code, r = _post(base + "/collective_rpc", {"method": "fused_logp_captured"})
+    assert code == 200 and len(r["results"][0]) == ack["results"][0]["left"]
+
     # production status, no dev mode needed for /metrics: fused_logp_info with the fingerprint as weight version
+    # and the backend that served (the op's provenance, not the configured "auto")
     with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
     fp = weight_fingerprint(lm_head_weight(model_dir))
     line = [x for x in metrics.splitlines() if x.startswith("fused_logp_info{")]
     assert line and f'weight_version="{fp}"' in line[0] and 'strict="true"' in line[0], line
+    served = status[0]["heads"][0]["provenance"]["backend"]
+    assert f'backend="{served}"' in line[0] and served != "auto", line
 
     code, r = _post(base + "/v1/completions", {"model": name, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5,
                                                "presence_penalty": 0.5})

@@ -466,3 +466,22 @@ def test_mrv2_token_logprobs_are_the_contract_columns():
         if not unit:
             assert not torch.equal(got[1], rescore(lt, z, lambda: torch.ones(n), Mark(HeadState(st.settings), None,
                                                                                      stats)).logprobs[1])
+
+
+def test_capture_ack_never_drops_unread_rows():
+    """fused_logp_captured_ack(n) drops at most the rows a clear=False read returned, whatever n is, also when
+    rows arrived after the read or the bound dropped some of them."""
+    from fused_logp.vllm_plugin.state import CaptureBuffer
+
+    b = CaptureBuffer(limit=5)
+    for i in range(3):
+        b.append({"i": i})
+    assert [r["i"] for r in b.peek()] == [0, 1, 2]
+    b.append({"i": 3})                                   # after the read: unread
+    assert b.ack(100) == 3 and [r["i"] for r in b.rows] == [3]
+    assert b.ack(100) == 0 and len(b) == 1               # nothing sent and unacknowledged
+    for i in range(4, 9):
+        b.append({"i": i})                               # the bound drops the oldest
+    assert [r["i"] for r in b.peek(2)] == [4, 5]
+    b.append({"i": 9})                                   # drops 4, which was sent
+    assert b.sent_unacked() == 1 and b.ack(5) == 1 and [r["i"] for r in b.rows] == [6, 7, 8, 9]

@@ -47,7 +47,8 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return shared_llm(model_dir, PLUGIN_CFG)              # the engine test_vllm_plugin.py uses
+    # the engine test_vllm_plugin.py uses: logprobs under the request's program (vLLM's processed_logprobs)
+    return shared_llm(model_dir, PLUGIN_CFG, logprobs_mode="processed_logprobs")
 
 
 def _program(t, k, p, m):
@@ -102,7 +103,8 @@ def test_sampled_tokens_in_kept_set_and_logprobs_equal_trainer(run, model_dir):
         g = groups.pop(match[0])
         assert [c["ids"][0] for c in g["sample"]] == sampled
         assert all(c["program"] == prog.to_dict() and c["program"]["version"] == TRANSFORM_PROGRAM_VERSION
-                   for c in g["sample"] + g["prompt"])
+                   for c in g["sample"])
+        assert all(c["program"] is None and c["temperature"] == 1.0 for c in g["prompt"])   # the model's distribution
         recorded = [{tid: lp.logprob for tid, lp in d.items()} for d in o.outputs[0].logprobs]
         precorded = [{tid: lp.logprob for tid, lp in d.items()} for d in o.prompt_logprobs[1:]]
         assert len(recorded) == len(g["sample"]) and len(precorded) == len(g["prompt"]) == len(prompt) - 1
@@ -110,10 +112,12 @@ def test_sampled_tokens_in_kept_set_and_logprobs_equal_trainer(run, model_dir):
             logits = linear_logp(_hidden(rows), weight, torch.zeros(len(rows), dtype=torch.int64),
                                  return_logits=True).logits                           # the trainer's op
             keep = kept_mask(logits, prog)
+            # prompt logprobs are the model's distribution (T = 1, no program), as vLLM defines them
+            row_prog = prog if rows is g["sample"] else TransformProgram()
             for r, (c, d) in enumerate(zip(rows, dicts)):
                 assert set(d) == set(c["ids"])
                 ids = torch.tensor(c["ids"], dtype=torch.int64)
-                lp, _, kept = program_logp_from_logits(logits[r:r + 1].expand(len(ids), -1), ids, prog,
+                lp, _, kept = program_logp_from_logits(logits[r:r + 1].expand(len(ids), -1), ids, row_prog,
                                                        require_kept=False)
                 want = torch.where(kept, lp, torch.full_like(lp, float("-inf")))
                 got = [d[i] for i in c["ids"]]

@@ -111,8 +111,11 @@ def _offline(model_dir: str, cfg: str, sampling: str = "{}") -> None:
     extra = json.loads(cfg)
     llm = LLM(model=model_dir, **ENGINE_KW, **({"additional_config": extra} if extra else {}))
     prompts = [[11, 12, 13, 14], [3, 900, 41], [7, 8]]
-    params = [SamplingParams(temperature=t, max_tokens=4, logprobs=2, prompt_logprobs=1, seed=7 + i,
-                             **json.loads(sampling)) for i, t in enumerate([1.0, 0.7, 0.0])]
+    kw = json.loads(sampling)
+    if "logit_bias" in kw:                 # JSON keys are strings; vLLM's are token ids
+        kw["logit_bias"] = {int(k): v for k, v in kw["logit_bias"].items()}
+    params = [SamplingParams(temperature=t, max_tokens=4, logprobs=2, prompt_logprobs=1, seed=7 + i, **kw)
+              for i, t in enumerate([1.0, 0.7, 0.0])]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     def lp(ds):
