@@ -275,7 +275,9 @@ def test_status_without_dev_mode(llm):
 
     head = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
     assert llm.llm_engine.engine_core.engine_core._weight_version == head["fingerprint"]
-    labels = {"contract_version": CONTRACT_VERSION, "strict": "true", "backend": head["backend"],
+    served = head["provenance"]["backend"]              # the backend that served, not the configured "auto"
+    assert served != "auto"
+    labels = {"contract_version": CONTRACT_VERSION, "strict": "true", "backend": served,
               "weight_version": head["fingerprint"]}
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
