@@ -201,19 +201,27 @@ peer-site:
 			|| echo "bench-gpu: installing the peer wheels failed: peers not measured"; \
 	fi
 
-# megatron-core 0.19.x on the SM90 machine, which has no package index: `make megatron-wheels` here (pip reaches
-# PyPI) puts the cp312 manylinux wheel in build/wheels (its requirements, torch, numpy and packaging, are on the
-# GPU machine); carried there (`carry: [build/wheels]`), `make test-megatron-gpu` installs it into
-# build/megatron-site, runs the plugin's GPU tests and, when two GPUs are visible, TP=2 over NCCL.
+# megatron-core 0.19.x and Megatron-LM 0.19's training loop on the SM90 machine, which has no package index. Here
+# (pip reaches PyPI): `make megatron-wheels` puts the cp312 manylinux wheel (it ships megatron/training) in build/wheels
+# (its requirements, torch, numpy and packaging, are on the GPU machine); with MEGATRON_LM_REPO=<a Megatron-LM git
+# checkout> it also takes pretrain_gpt.py, gpt_builders.py and model_provider.py at core_r0.19.0 into build/megatron-lm.
+# There (`carry: [build/wheels, build/megatron-lm]`): `make test-megatron-gpu OUT=$OUT` installs the wheel into
+# build/megatron-site (with the no-op datasets Makefile that initialize_megatron runs and the wheel lacks), runs the
+# plugin's GPU tests, `megatron.training.pretrain` through pretrain_gpt.py with the flag off and on
+# (bench/megatron_h200_train.py) and, when two GPUs are visible, TP=2 over NCCL.
 MEGATRON_CORE := megatron-core==0.19.2
 MEGATRON_SITE := build/megatron-site
+MEGATRON_LM := build/megatron-lm
+MEGATRON_LM_FILES := pretrain_gpt.py gpt_builders.py model_provider.py LICENSE
 MEGATRON_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests:$(CURDIR)/$(MEGATRON_SITE) PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
 megatron-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 		-d build/wheels '$(MEGATRON_CORE)'
-	ls -l build/wheels
+	@if [ -n "$(MEGATRON_LM_REPO)" ]; then mkdir -p $(MEGATRON_LM) && for f in $(MEGATRON_LM_FILES); do \
+		git -C '$(MEGATRON_LM_REPO)' show core_r0.19.0:$$f > $(MEGATRON_LM)/$$f || exit 1; done; fi
+	ls -l build/wheels $(MEGATRON_LM)
 
 # Liger-Kernel and Apple's Cut Cross-Entropy for `make bench-gpu` on the SM90 machine (no package index): `make
 # peer-wheels` here puts their pure-Python py3-none-any wheels in build/wheels, carried there with it. Their requirements
@@ -263,17 +271,24 @@ peer-parts-check:
 test-megatron-gpu:
 	@ls build/wheels/megatron_core-*.whl >/dev/null 2>&1 || { echo "no megatron-core wheel in build/wheels:" \
 		"run make megatron-wheels where pip reaches PyPI, and carry build/wheels"; exit 1; }
+	@for f in $(MEGATRON_LM_FILES); do test -f $(MEGATRON_LM)/$$f || { echo "no $(MEGATRON_LM)/$$f: Megatron-LM's" \
+		"files at core_r0.19.0 (make megatron-wheels MEGATRON_LM_REPO=<checkout>), carried with build/wheels"; exit 1; }; done
 	rm -rf $(MEGATRON_SITE)
 	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --find-links build/wheels \
 		--target $(MEGATRON_SITE) megatron-core
+	test -f $(MEGATRON_SITE)/megatron/core/datasets/Makefile || \
+		printf 'all:\n\t@true\n' > $(MEGATRON_SITE)/megatron/core/datasets/Makefile
 	$(MEGATRON_ENV) $(PYTHON) -P -c 'import torch, megatron.core as m; print("megatron-core", m.__version__)'
-	@status=0; \
-	$(MEGATRON_ENV) timeout 330 $(PYTHON) -P -m pytest -q -ra -p no:cacheprovider tests/test_megatron_gpu.py \
+	@status=0; out=$${OUT:-out}; mkdir -p $$out; \
+	$(MEGATRON_ENV) timeout 480 $(PYTHON) -P bench/megatron_h200_train.py --megatron-lm $(MEGATRON_LM) --out $$out \
 		|| status=1; \
+	$(MEGATRON_ENV) timeout 300 $(PYTHON) -P -m pytest -q -ra -p no:cacheprovider tests/test_megatron_gpu.py \
+		tests/test_megatron_versions.py > $$out/megatron-gpu-tests.txt 2>&1 || status=1; \
+	tail -n 15 $$out/megatron-gpu-tests.txt; \
 	n=$$($(PYTHON) -c 'import torch; print(torch.cuda.device_count())'); \
 	if [ "$$n" -ge 2 ]; then \
 		$(MEGATRON_ENV) timeout 240 $(PYTHON) -P -m torch.distributed.run --standalone --nproc-per-node 2 \
-			bench/megatron_tp_nccl.py --out $${OUT:-out} || status=1; \
+			bench/megatron_tp_nccl.py --out $$out || status=1; \
 	else echo "test-megatron-gpu: $$n GPU visible; TP=2 over NCCL (bench/megatron_tp_nccl.py) needs 2"; fi; \
 	exit $$status
 

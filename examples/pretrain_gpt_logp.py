@@ -1,147 +1,57 @@
-"""A pretrain_gpt.py-shaped Megatron-LM training script with the fused_logp Megatron plugin.
+"""Megatron-LM 0.19's pretrain_gpt.py with the fused_logp Megatron plugin, without editing pretrain_gpt.py.
 
-The integration is the four lines marked `# fused-logp`:
+Megatron-LM's own script is imported as a module (its forward_step, dataset provider and embedding ranks); this
+file is its `__main__` with the plugin's lines, marked `# fused-logp`. The same lines put into pretrain_gpt.py
+itself are examples/pretrain_gpt_logp.patch.
 
-    from fused_logp import megatron_plugin as mp                       # 1. import
-    pretrain(..., extra_args_provider=mp.add_logp_args)                # 2. --logp-backend, --logp-vocab-size, ...
-    mp.setup_from_args(args); mp.check_model(model)                    # 3. in model_provider: configure + refuse
-    @mp.logp_forward_step                                              # 4. on forward_step
+Run it where pretrain_gpt.py runs (a Megatron-LM checkout at core_r0.19.0, or its pretrain_gpt.py, gpt_builders.py
+and model_provider.py next to the megatron-core 0.19 wheel, which ships megatron/training), with the checkout on
+PYTHONPATH and pretrain_gpt.py's arguments:
 
-Everything else is the usual script: `loss_func` keeps Megatron's own NaN / Inf / spiky-loss checks and its
-`output_tensor.view(-1)`; `forward_step` returns `partial(loss_func, loss_mask, model=model)`. Without
-`--logp-backend` the script trains exactly as Megatron does; with `--logp-backend contract --logp-vocab-size V`
-the per-token loss `-logp` comes from the contract op (no [tokens, vocab] logits, padding rows excluded).
+    PYTHONPATH=/path/to/Megatron-LM torchrun --nproc-per-node 8 examples/pretrain_gpt_logp.py \\
+        <pretrain_gpt.py's arguments> --logp-backend contract [--logp-vocab-size 151936]
 
-Run with Megatron-LM on the path (its `megatron.training` package), e.g.
-    torchrun --nproc-per-node 8 examples/pretrain_gpt_logp.py <the usual pretrain_gpt arguments> \\
-        --logp-backend contract --logp-vocab-size 151936
-
-The functions below also run under megatron-core alone (no Megatron-LM): tests/test_megatron_example.py drives
-`forward_step` through megatron-core's own `get_forward_backward_func()` with the flag on and off.
+Without --logp-backend it trains as pretrain_gpt.py does, to the bit (bench/megatron_h200_train.py checks the
+lm loss and grad norm of every iteration against the unmodified script).
 """
 from __future__ import annotations
 
-from functools import partial
+import time
 
-import torch
-from megatron.core import parallel_state
-from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.core.utils import get_batch_on_this_cp_rank
+_PROGRAM_START_TIME = time.time()
 
-from fused_logp import megatron_plugin as mp                                                   # fused-logp
+import pretrain_gpt  # noqa: E402  Megatron-LM's script (core_r0.19.0), imported: its __main__ does not run
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.training import inprocess_restart, pretrain, set_startup_timestamps  # noqa: E402
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 
-SPIKY_LOSS_FACTOR = 10
-
-
-def get_args():
-    """Megatron-LM's parsed arguments."""
-    from megatron.training import get_args as megatron_args
-    return megatron_args()
+from fused_logp import megatron_plugin as mp  # noqa: E402                                     # fused-logp
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None):
-    """Builds the GPT model from Megatron-LM's arguments (local or Transformer Engine layer spec)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
-    from megatron.training.arguments import core_transformer_config_from_args
+def main():
+    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
+    provider = pretrain_gpt.train_valid_test_datasets_provider
+    provider.is_distributed = True
+    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
 
-    args = get_args()
+    modelopt = pretrain_gpt.has_nvidia_modelopt
+    args = parse_and_validate_args(
+        extra_args_provider=mp.chain_args_providers(pretrain_gpt.add_modelopt_args if modelopt else None,
+                                                    mp.add_logp_args),                         # fused-logp
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     mp.setup_from_args(args)                                                                   # fused-logp
-    config = core_transformer_config_from_args(args)
-    if args.transformer_impl == "local":
-        spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)
+    if modelopt:
+        pretrain_gpt.maybe_enable_modelopt(args)
+    if modelopt and getattr(args, "modelopt_enabled", False):
+        model_cfg = gpt_config_from_args(args, model_config_cls=pretrain_gpt.ModelOptModelConfig)
     else:
-        spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm,
-                                                          args.qk_layernorm)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-                     post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-                     parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                     rotary_base=args.rotary_base)
-    if post_process and mp.get_settings().enabled:
-        mp.check_model(model)                                                                  # fused-logp
-    return model
-
-
-def _batch_on_this_tp_rank(data_iterator):
-    """Megatron-LM reads on TP rank 0 and broadcasts; with megatron-core alone every rank reads the same batch."""
-    try:
-        from megatron.training.utils import get_batch_on_this_tp_rank
-    except ImportError:
-        return next(data_iterator)
-    return get_batch_on_this_tp_rank(data_iterator)
-
-
-def get_batch(data_iterator):
-    """tokens, labels, loss_mask, attention_mask, position_ids of this rank (TP broadcast, CP split)."""
-    if not (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
-        return None, None, None, None, None
-    batch = _batch_on_this_tp_rank(data_iterator)
-    batch = get_batch_on_this_cp_rank(batch) if parallel_state.get_context_parallel_world_size() > 1 else batch
-    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
-
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
-    """Masked sum of the per-token loss, with Megatron's checks of the local loss before the DP reduction."""
-    args = get_args()
-    losses = output_tensor.view(-1).float()
-    loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask)
-
-    rerun_state_machine = get_rerun_state_machine()
-    if args.check_for_nan_in_loss_and_grad:
-        rerun_state_machine.validate_result(result=loss, rejection_func=torch.isnan,
-                                            message="found NaN in local forward loss calculation",
-                                            tolerance=0.0, fatal=True)
-        rerun_state_machine.validate_result(result=loss, rejection_func=torch.isinf,
-                                            message="found Inf in local forward loss calculation",
-                                            tolerance=0.0, fatal=True)
-    if args.check_for_spiky_loss:
-        rerun_state_machine.validate_result(
-            result=loss,
-            rejection_func=partial(rerun_state_machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR,
-                                   context="loss"),
-            message="Spiky loss", tolerance=0.0, fatal=False)
-
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    reporting_loss = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
-    return loss, num_tokens, {"lm loss": reporting_loss}
-
-
-@mp.logp_forward_step                                                                          # fused-logp
-def forward_step(data_iterator, model):
-    """One micro-batch: the model's per-token loss and the loss function for the schedules."""
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
-    return output_tensor, partial(loss_func, loss_mask, model=model)
-
-
-def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """Megatron-LM's GPT datasets (blended / mock), as pretrain_gpt.py builds them."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.training import get_tokenizer
-    from megatron.training.utils import get_blend_and_split_from_args
-
-    args = get_args()
-    blend, blend_per_split, split = get_blend_and_split_from_args(args)
-    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
-                              blend_per_split=blend_per_split, split=split,
-                              path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
-                              reset_position_ids=args.reset_position_ids,
-                              reset_attention_mask=args.reset_attention_mask,
-                              eod_mask_loss=args.eod_mask_loss, create_attention_mask=True)
-    cls = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, lambda: True, config).build()
+        model_cfg = gpt_config_from_args(args)
+    model_cfg.post_wrap_hooks.append(mp.check_model)                                           # fused-logp
+    run(pretrain_cfg_container_from_args(args, model_cfg), provider, ModelType.encoder_or_decoder,
+        mp.logp_forward_step(pretrain_gpt.forward_step),                                      # fused-logp
+        store=store, get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
 
 
 if __name__ == "__main__":
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-
-    train_valid_test_datasets_provider.is_distributed = True
-    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-             extra_args_provider=mp.add_logp_args)                                             # fused-logp
+    main()

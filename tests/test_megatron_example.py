@@ -1,4 +1,4 @@
-"""examples/pretrain_gpt_logp.py (a pretrain_gpt.py-shaped script) through megatron-core's own schedules
+"""examples/megatron_core_logp_step.py (a pretrain_gpt.py-shaped training step) through megatron-core's own schedules
 (get_forward_backward_func), with --logp-backend on and off, on CPU at world size 1 (real megatron-core 0.16.1;
 the CUDA-only pieces replaced as fused_logp_jobs.megatron_cpu lists)."""
 from __future__ import annotations
@@ -25,7 +25,8 @@ PADDED, REAL, B, S, D, MICRO = 512, 500, 2, 8, 64, 2
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_logp", ROOT / "examples" / "pretrain_gpt_logp.py")
+    path = ROOT / "examples" / "megatron_core_logp_step.py"
+    spec = importlib.util.spec_from_file_location("megatron_core_logp_step", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

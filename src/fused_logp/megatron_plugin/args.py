@@ -94,6 +94,21 @@ def _flag_refusal(what, flag, why):
                                          f"{flag}, or run without --logp-backend")
 
 
+def _this_rank_device() -> int:
+    """This rank's GPU: the current device once torch.distributed is up; before it (Megatron-LM 0.19 parses and
+    sets up before initialize_megatron selects the device) torchrun's LOCAL_RANK."""
+    import os
+
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isdigit() and int(local) < torch.cuda.device_count():
+        return int(local)
+    return torch.cuda.current_device()
+
+
 def _check_backend_here(settings: LogpSettings, strict: bool) -> None:
     """On a CUDA machine the contract backend must be the SM90 kernel (or the oracle by name): refused at setup,
     not at the first forward."""
@@ -103,7 +118,7 @@ def _check_backend_here(settings: LogpSettings, strict: bool) -> None:
         return
     from ..kernel.backends import select_backend
     try:
-        select_backend(settings.op_backend(), torch.device("cuda", torch.cuda.current_device()), strict)
+        select_backend(settings.op_backend(), torch.device("cuda", _this_rank_device()), strict)
     except Exception as exc:
         raise type(exc)(f"--logp-backend contract on this GPU: {exc}") from exc
 
