@@ -440,7 +440,8 @@ def test_server_completions_equal_op(server, model_dir):
     fp = weight_fingerprint(lm_head_weight(model_dir))
     line = [x for x in metrics.splitlines() if x.startswith("fused_logp_info{")]
     assert line and f'weight_version="{fp}"' in line[0] and 'strict="true"' in line[0], line
-    served = status[0]["heads"][0]["provenance"]["backend"]
+    now = _post(base + "/collective_rpc", {"method": "fused_logp_status"})[1]["results"]
+    served = now[0]["heads"][0]["provenance"]["backend"]
     assert f'backend="{served}"' in line[0] and served != "auto", line
 
     code, r = _post(base + "/v1/completions", {"model": name, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": 5,
