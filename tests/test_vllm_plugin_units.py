@@ -97,10 +97,14 @@ def test_prometheus_info_metric():
     from fused_logp.vllm_plugin import metrics
     from fused_logp.vllm_plugin.settings import PluginSettings
 
-    metrics.publish(PluginSettings(strict=True, backend="oracle", capture=False, source="test"),
+    metrics.publish(PluginSettings(strict=True, backend="auto", capture=False, source="test"),
                     weight_version="fp-before")
     labels = {"contract_version": CONTRACT_VERSION, "strict": "true", "backend": "oracle",
               "weight_version": "fp-before"}
+    # the backend label is the one that served (the op's provenance), "pending" before the first forward
+    if metrics._served is None:
+        assert REGISTRY.get_sample_value("fused_logp_info", dict(labels, backend="pending")) == 1.0
+    metrics.served("oracle")
     assert REGISTRY.get_sample_value("fused_logp_info", labels) == 1.0
     metrics._labels_update("fp-test")
     assert REGISTRY.get_sample_value("fused_logp_info", labels) is None
@@ -225,7 +229,7 @@ def test_logp_of_ids_equals_logp_from_logits_at_unit_temperature(backend):
         tr = linear_logp(h, w, ids[:, 2], backend=backend, **kw)
         assert torch.equal(one.logp.view(torch.int32), tr.logp.view(torch.int32))
         assert torch.equal(one.lse.view(torch.int32), tr.lse.view(torch.int32))
-    with pytest.raises(ContractInputError, match="targets"):
+    with pytest.raises(ContractInputError, match="targets|ids must lie"):
         logp_of_ids(stats, torch.full((n,), v), vocab_size=v, backend=backend)
     warm = _head_call(h, w, backend=backend, temperature=0.7)
     assert not warm.unit_temperature and _head_call(h, w, backend=backend, temperature=1).unit_temperature
