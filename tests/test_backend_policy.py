@@ -11,13 +11,13 @@ import torch
 
 from fused_logp import linear_logp
 from fused_logp.kernel import backends, oracle_fast
-from fused_logp.kernel.backends import _sm90_status, select_backend
+from fused_logp.kernel.backends import device_status, select_backend
 from fused_logp.shared_contract.errors import BackendUnavailableError, StrictModeError
 
 
 def _cuda_without_sm90():
     if torch.cuda.is_available():
-        ok, _ = _sm90_status(torch.device("cuda"))
+        ok, _ = device_status(torch.device("cuda"))
         if ok:
             pytest.skip("the SM90 kernel serves this machine's GPU")
     return torch.device("cuda")        # on a machine without CUDA the SM90 status of a CUDA device is "unavailable"

@@ -84,3 +84,113 @@ def test_documented_api_importable_from_the_package():
 def test_wheel_ships_the_library_only():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'where = ["src"]' in text and 'include = ["fused_logp", "fused_logp.*"]' in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the op's rooms: request (checks), invalid_rows, execute (backend calls), autograd, op (entries)
+# ---------------------------------------------------------------------------------------------------------
+
+KERNEL = SRC / "fused_logp" / "kernel"
+# Each room imports only rooms below it (lower number), never one above or beside it.
+OP_ROOMS = {"results": 0, "invalid_rows": 0, "backends": 0, "request": 1, "execute": 2, "autograd": 3, "op": 4}
+
+
+def _tree(name: str) -> ast.Module:
+    path = KERNEL / f"{name}.py"
+    return ast.parse(path.read_text(), str(path))
+
+
+@pytest.mark.parametrize("room", sorted(OP_ROOMS))
+def test_op_rooms_import_only_rooms_below(room):
+    mine = OP_ROOMS[room]
+    bad = sorted(m for m in _imports(KERNEL / f"{room}.py")
+                 if m.startswith("fused_logp.kernel.") and m.split(".")[2] in OP_ROOMS
+                 and m.split(".")[2] != room and OP_ROOMS[m.split(".")[2]] >= mine)
+    assert not bad, f"kernel/{room}.py imports {bad}: a room imports only the rooms below it {OP_ROOMS}"
+
+
+@pytest.mark.parametrize("path", _modules("fused_logp"), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_private_name_of_the_kernel_is_imported(path):
+    """A kernel module is reached through its public names only (autograd reads backends.device_status, not a
+    private status function; the adapters call exported names)."""
+    mod = _module_name(path)
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+            continue
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        base = package.split(".")[:len(package.split(".")) - (node.level - 1)] if node.level else []
+        target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+        if target.startswith("fused_logp.kernel") and target != mod:
+            bad += [f"{target}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not bad, f"{path.relative_to(ROOT)} imports private kernel names {bad}"
+
+
+def test_public_entries_are_short_and_pass_a_request():
+    """Each public entry of kernel/op.py prepares one Request and runs it: about a dozen lines, no nested function
+    (no closure travels into the autograd function), no probe of the backend."""
+    tree = _tree("op")
+    entries = [f for f in tree.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
+    assert {f.name for f in entries} >= {"linear_logp", "shard_tile_stats", "merge_shard_stats", "linear_logp_tp",
+                                         "logp_from_logits", "logits_and_stats", "logp_of_ids",
+                                         "linear_logp_program"}
+    for f in entries:
+        body = f.body[1:] if isinstance(f.body[0], ast.Expr) and isinstance(f.body[0].value, ast.Constant) else f.body
+        lines = body[-1].end_lineno - body[0].lineno + 1
+        assert lines <= 14, f"op.{f.name}: {lines} lines after its docstring"
+        assert not [n for n in ast.walk(f) if isinstance(n, (ast.FunctionDef, ast.Lambda)) and n is not f], f.name
+        calls = {n.func.id for n in ast.walk(f) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert "prepare" in calls, f"op.{f.name} does not prepare a request"
+
+
+@pytest.mark.parametrize("room", ["op", "request", "execute", "autograd"])
+def test_backends_are_read_by_declaration_not_probed(room):
+    calls = sorted(n.func.id for n in ast.walk(_tree(room)) if isinstance(n, ast.Call)
+                   and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr"))
+    assert not calls, f"kernel/{room}.py probes with {calls}; read backend.entries (backends.serves/require)"
+
+
+def test_autograd_function_receives_the_request():
+    tree = _tree("autograd")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LinearLogpFunction")
+    fwd = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    assert [a.arg for a in fwd.args.args] == ["ctx", "hidden", "weight", "bias", "request"]
+
+
+def test_the_invalid_row_subsystem_lives_in_its_room():
+    """The pinned mirror, the events and the per-device records: kernel/invalid_rows.py only."""
+    for path in sorted(KERNEL.glob("*.py")):
+        if path.name == "invalid_rows.py":
+            continue
+        text = path.read_text()
+        assert "pin_memory" not in text and "cuda.Event" not in text, path.name
+
+
+BACKEND_FILES = {"oracle.py": "OracleBackend", "oracle_fast.py": "OracleFastBackend", "sm90.py": "SM90Backend",
+                 "torch_backend.py": "TorchBackend"}
+INTERFACE = ("linear_logp", "stats_from_logits", "shard_stats", "merge_stats", "logits_and_stats", "merge_ids")
+
+
+@pytest.mark.parametrize("file", sorted(BACKEND_FILES))
+def test_backend_entries_return_no_dicts(file):
+    tree = ast.parse((KERNEL / file).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == BACKEND_FILES[file])
+    for fn in cls.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name in INTERFACE:
+            for ret in (n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None):
+                assert not isinstance(ret.value, (ast.Dict, ast.Tuple)), \
+                    f"{file} {fn.name} returns a {type(ret.value).__name__}: return a backends result type"
+
+
+def test_sm90_backend_class_holds_no_auxiliary_kernel_or_test_hook():
+    """The auxiliary kernels and the test hooks are defined in kernel/sm90_aux.py (the class keeps only their
+    names, as properties); kernel/sm90_aux.py reaches the extension through the backend it is given."""
+    tree = ast.parse((KERNEL / "sm90.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SM90Backend")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    aux = ast.parse((KERNEL / "sm90_aux.py").read_text())
+    moved = {f.name for c in aux.body if isinstance(c, ast.ClassDef) for f in c.body
+             if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+    assert {"tile_stats_from_logits", "topp_crossing", "backward_dz", "fingerprint_rows"} <= moved
+    assert not methods & moved, methods & moved
+    assert "fused_logp.kernel.sm90" not in _imports(KERNEL / "sm90_aux.py")

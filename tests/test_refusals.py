@@ -74,17 +74,29 @@ def test_targets_wrong_dtype_or_length(data):
         linear_logp(h, w, t[:2])
 
 
-@pytest.mark.parametrize("temp", [0.0, -1.0, float("nan"), float("inf"), 1e-50, 1e39])
+TEMPERATURE_RANGE = r"temperature must be finite and > 0, within \[2\*\*-20, 2\*\*20\]"
+
+
+@pytest.mark.parametrize("temp", [0.0, -1.0, float("nan"), float("inf"), 1e-50, 1e39, 1e-45, 2.0 ** -21,
+                                  2.0 ** 20 * 1.0001, 10 ** 400])
 def test_temperature_out_of_range(data, temp):
     h, w, t = data
-    with pytest.raises(ContractInputError, match=r"temperature must be finite and > 0"):
+    with pytest.raises(ContractInputError, match=TEMPERATURE_RANGE):
         linear_logp(h, w, t, temperature=temp)
+
+
+@pytest.mark.parametrize("temp", [2.0 ** -20, 2.0 ** 20])
+def test_temperature_range_is_closed(data, temp):
+    h, w, t = data
+    assert linear_logp(h, w, t, temperature=temp).logp.shape == (3,)
 
 
 def test_temperature_tensor_out_of_range(data):
     h, w, t = data
-    with pytest.raises(ContractInputError, match=r"temperature must be finite and > 0"):
+    with pytest.raises(ContractInputError, match=TEMPERATURE_RANGE + r".*got 0.0"):
         linear_logp(h, w, t, temperature=torch.tensor([1.0, 0.0, 1.0]))
+    with pytest.raises(ContractInputError, match=TEMPERATURE_RANGE):
+        linear_logp(h, w, t, temperature=torch.tensor([1.0, 2.0 ** -21, 1.0], dtype=torch.float64))
     with pytest.raises(ContractInputError, match=r"shape \[N\]=3"):
         linear_logp(h, w, t, temperature=torch.ones(2))
 

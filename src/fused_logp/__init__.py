@@ -5,14 +5,14 @@ above it), kernel (the op, its backends: the CPU oracle and the SM90 kernel), vl
 (engine adapters, no arithmetic), golden (stored digests of fixed inputs).
 """
 from .kernel.fingerprint import weight_fingerprint
-from .kernel.op import (LogpResult, ShardStats, check_input_errors, linear_logp, linear_logp_program, linear_logp_tp, logp_from_logits,
-                        merge_shard_stats, shard_tile_stats)
+from .kernel.op import (LogpResult, ShardStats, check_input_errors, linear_logp, linear_logp_program, linear_logp_tp,
+                        logits_and_stats, logp_from_logits, logp_of_ids, merge_shard_stats, shard_tile_stats)
 from .kernel.transforms import TransformProgram, kept_mask, program_logp_from_logits
 from .shared_contract.constants import CONTRACT_VERSION
 from .shared_contract.errors import (BackendUnavailableError, ContractInputError, FingerprintMismatchError,
                                      StrictModeError)
 
 __all__ = ["CONTRACT_VERSION", "BackendUnavailableError", "ContractInputError", "FingerprintMismatchError",
-           "LogpResult", "ShardStats", "StrictModeError", "check_input_errors", "TransformProgram", "kept_mask", "linear_logp",
-           "linear_logp_program", "linear_logp_tp", "logp_from_logits", "merge_shard_stats",
-           "program_logp_from_logits", "shard_tile_stats", "weight_fingerprint"]
+           "LogpResult", "ShardStats", "StrictModeError", "TransformProgram", "check_input_errors", "kept_mask",
+           "linear_logp", "linear_logp_program", "linear_logp_tp", "logits_and_stats", "logp_from_logits",
+           "logp_of_ids", "merge_shard_stats", "program_logp_from_logits", "shard_tile_stats", "weight_fingerprint"]

@@ -35,6 +35,10 @@ import logging
 
 import torch
 
+from .backends import device_kernels, device_status
+from .execute import forward as run_forward
+from .results import LogpResult
+
 _CHUNK = 8192
 # CUDA bf16 path (see the module docstring): fixed chunk width and dh slice height, and the bound on the dz
 # buffer (plus the FP32 logits buffer when the extension is missing). The chunk width does not depend on N (a
@@ -58,12 +62,12 @@ def cuda_group(n: int, bytes_per_element: int = 2) -> int:
 
 
 def _dz_backend(device):
-    """The device backend (its backward_dz) where one serves this device, else None (logged once)."""
+    """The device's auxiliary kernels (their backward_dz) where a device backend serves it, else None (logged
+    once)."""
     global _warned
-    from .backends import _sm90_status, device_backend
-    be = device_backend(device)
+    be = device_kernels(device)
     if be is None and not _warned:
-        why = _sm90_status(torch.device(device))[1]
+        why = device_status(device)[1]
         _log.warning("backward: the sm90 kernel is unavailable (%s); using cuBLAS logits and torch elementwise "
                      "ops (same formula, slower, a row's hidden gradient not promised batch-invariant; gradient "
                      "bytes are not contract-bearing)", why)
@@ -188,16 +192,26 @@ def _grads_cuda_bf16(hidden, weight, bias, targets, temperature, lse, g_logp, g_
     return dh_pad[:n]
 
 
+def differentiable(request, hidden, weight, bias) -> LogpResult:
+    """The prepared request (kernel/request.py; linear_logp or linear_logp_tp) run under LinearLogpFunction:
+    logp and lse differentiable in hidden, weight and bias; logits are not returned on the training path."""
+    logp, lse = LinearLogpFunction.apply(hidden, weight, bias, request)
+    return LogpResult(logp, lse, None, request.provenance)
+
+
 class LinearLogpFunction(torch.autograd.Function):
-    """Differentiable in hidden, weight and bias around `forward_fn(hidden, weight, bias) -> (logp, lse)`, which
-    runs the contract op (single device, or a TP shard with its gathered merge)."""
+    """Differentiable in hidden, weight and bias around the contract op of a prepared request (single device, or
+    a TP shard with its gathered merge): the forward runs it (kernel/execute.py forward) on the detached inputs;
+    the backward reads its targets, temperatures and vocabulary window. `bias` is the caller's tensor (the forward
+    reads the request's FP32 copy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, forward_fn, vocab_start, n_real):
-        logp, lse = forward_fn(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
-        ctx.save_for_backward(hidden, weight, bias, targets, temperature, lse)
-        ctx.vocab_start, ctx.n_real, ctx.has_bias = vocab_start, n_real, bias is not None
-        return logp, lse
+    def forward(ctx, hidden, weight, bias, request):
+        res = run_forward(request, hidden.detach(), weight.detach())
+        ctx.save_for_backward(hidden, weight, bias, request.targets, request.temperature, res.lse)
+        ctx.vocab_start, ctx.n_real = request.window.start, request.window.n_real
+        ctx.has_bias = bias is not None
+        return res.logp, res.lse
 
     @staticmethod
     def backward(ctx, g_logp, g_lse):
@@ -207,4 +221,4 @@ class LinearLogpFunction(torch.autograd.Function):
         return (dh.to(hidden.dtype) if ctx.needs_input_grad[0] else None,
                 dw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
                 db.to(bias.dtype) if (ctx.has_bias and ctx.needs_input_grad[2]) else None,
-                None, None, None, None, None)
+                None)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..shared_contract import constants as C
+from .backends import CORE_ENTRIES, Forward, Merged, TileStats
 from .transcendentals import contract_exp, contract_log
 
 _TILE = C.VOCAB_TILE
@@ -212,6 +213,7 @@ class OracleBackend:
 
     name = "oracle"
     contract_bearing = True
+    entries = CORE_ENTRIES
 
     def available(self, device=None):
         return True, "always available"
@@ -238,25 +240,20 @@ class OracleBackend:
         rows = np.arange(zs.shape[0])
         tlogit = np.where(owned, zs[rows, np.clip(tgt, 0, max(n_real - 1, 0))] if n_real else -np.inf,
                           np.float32(-np.inf)).astype(np.float32)
-        return {
-            "tile_max": torch.from_numpy(tmax).to(dev),
-            "tile_sum": torch.from_numpy(tsum).to(dev),
-            "target_logit": torch.from_numpy(tlogit).to(dev),
-            "target_owned": torch.from_numpy(owned).to(dev),
-            "tile_offset": vocab_start // _TILE,
-            "logits": z.to(dev) if return_logits else None,
-        }
+        return TileStats(torch.from_numpy(tmax).to(dev), torch.from_numpy(tsum).to(dev),
+                         torch.from_numpy(tlogit).to(dev), torch.from_numpy(owned).to(dev), vocab_start // _TILE,
+                         z.to(dev) if return_logits else None)
 
     def merge_stats(self, tile_max, tile_sum, target_logit):
         dev = tile_max.device
         logp, lse = merge(_np(tile_max), _np(tile_sum), _np(target_logit))
-        return torch.from_numpy(logp).to(dev), torch.from_numpy(lse).to(dev)
+        return Merged(torch.from_numpy(logp).to(dev), torch.from_numpy(lse).to(dev))
 
     def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):
         st = self.shard_stats(hidden, weight, targets, vocab_start=0, vocab_size=vocab_size, bias=bias,
                               temperature=temperature, return_logits=return_logits)
-        logp, lse = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
-        return logp, lse, st["logits"]
+        logp, lse = self.merge_stats(st.tile_max, st.tile_sum, st.target_logit)
+        return Forward(logp, lse, st.logits)
 
     multi_target = True          # stats_from_logits takes targets [N] or [N, C]
 
@@ -268,4 +265,4 @@ class OracleBackend:
         rows = np.arange(zs.shape[0]) if tg.ndim == 1 else np.arange(zs.shape[0])[:, None]
         lse = row_lse(tmax, tsum)
         logp = selected_logp(zs[rows, tg], lse)
-        return torch.from_numpy(logp).to(dev), torch.from_numpy(lse).to(dev)
+        return Merged(torch.from_numpy(logp).to(dev), torch.from_numpy(lse).to(dev))

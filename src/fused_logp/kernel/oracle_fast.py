@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ..shared_contract import constants as C
+from .backends import CORE_ENTRIES, Forward, Merged, TileStats
 from .extension_build import build_checked
 
 _SRC = Path(__file__).resolve().parent / "cpu" / "oracle_cpu.cpp"
@@ -151,6 +152,7 @@ class OracleFastBackend:
 
     name = "oracle-fast"
     contract_bearing = True
+    entries = CORE_ENTRIES
     multi_target = True          # stats_from_logits takes targets [N] or [N, C]
 
     def __init__(self):
@@ -201,20 +203,13 @@ class OracleFastBackend:
             tmax, tsum, tlogit, owned = self._stats(z, temp, n_real, tgt)
         if dev.type != "cpu":
             tmax, tsum, tlogit, owned, z = (x.to(dev) for x in (tmax, tsum, tlogit, owned, z))
-        return {
-            "tile_max": tmax,
-            "tile_sum": tsum,
-            "target_logit": tlogit,
-            "target_owned": owned,
-            "tile_offset": vocab_start // _TILE,
-            "logits": z if return_logits else None,
-        }
+        return TileStats(tmax, tsum, tlogit, owned, vocab_start // _TILE, z if return_logits else None)
 
     def merge_stats(self, tile_max, tile_sum, target_logit):
         dev = tile_max.device
         logp, lse = extension().merge(_cpu(tile_max).to(torch.float32), _cpu(tile_sum).to(torch.float32),
                                       _cpu(target_logit).to(torch.float32))
-        return logp.to(dev), lse.to(dev)
+        return Merged(logp.to(dev), lse.to(dev))
 
     def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):
         """Rows in chunks of ROWS_PER_CALL (bounded FP32 logits memory); every row's bytes are its own. Without a
@@ -225,8 +220,8 @@ class OracleFastBackend:
             if return_logits or n <= ROWS_PER_CALL:
                 st = self.shard_stats(hidden, weight, targets, vocab_start=0, vocab_size=vocab_size, bias=bias,
                                       temperature=temperature, return_logits=return_logits)
-                logp, lse = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
-                return logp, lse, st["logits"]
+                logp, lse = self.merge_stats(st.tile_max, st.tile_sum, st.target_logit)
+                return Forward(logp, lse, st.logits)
         ext = extension()
         h = _cpu(hidden).contiguous()
         w = _cpu(weight).contiguous()
@@ -235,7 +230,7 @@ class OracleFastBackend:
         n_real = min(w.shape[0], vocab_size)
         if n <= ROWS_PER_CALL and bias is None:          # one call (a serving step, the embedded default)
             lp, ls = ext.linear_logp_fused(h, w, n_real, temp, tgt, bool(self.force_scalar))
-            return (lp, ls, None) if dev.type == "cpu" else (lp.to(dev), ls.to(dev), None)
+            return Forward(lp, ls, None) if dev.type == "cpu" else Forward(lp.to(dev), ls.to(dev), None)
         logps, lses = [], []
         for r0 in range(0, n, ROWS_PER_CALL):
             sl = slice(r0, r0 + ROWS_PER_CALL)
@@ -244,12 +239,12 @@ class OracleFastBackend:
             else:
                 st = self.shard_stats(h[sl], w, tgt[sl], vocab_start=0, vocab_size=vocab_size, bias=bias,
                                       temperature=temp[sl], return_logits=False)
-                lp, ls = self.merge_stats(st["tile_max"], st["tile_sum"], st["target_logit"])
+                lp, ls = self.merge_stats(st.tile_max, st.tile_sum, st.target_logit)
             logps.append(lp)
             lses.append(ls)
         if len(logps) == 1:
-            return logps[0].to(dev), lses[0].to(dev), None
-        return torch.cat(logps).to(dev), torch.cat(lses).to(dev), None
+            return Forward(logps[0].to(dev), lses[0].to(dev), None)
+        return Forward(torch.cat(logps).to(dev), torch.cat(lses).to(dev), None)
 
     def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
         dev = logits.device
@@ -260,7 +255,7 @@ class OracleFastBackend:
         ext = extension()
         tmax, tsum, tlogit, _ = ext.stats_targets(z, temp, int(vocab_size), _cpu(targets).to(torch.int64).contiguous())
         logp, lse = ext.merge(tmax, tsum, tlogit)
-        return (logp, lse) if dev.type == "cpu" else (logp.to(dev), lse.to(dev))
+        return Merged(logp, lse) if dev.type == "cpu" else Merged(logp.to(dev), lse.to(dev))
 
 
 def contract_exp(x: np.ndarray) -> np.ndarray:

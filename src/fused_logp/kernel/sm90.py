@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from ..shared_contract import constants as C
+from .backends import CORE_ENTRIES, SERVING_ENTRIES, Forward, HeadStats, Merged, TileStats
 from .extension_build import build_checked
+from .sm90_aux import SM90Aux, SM90TestHooks
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_64x256.cu",
@@ -86,6 +88,8 @@ class SM90Backend:
 
     name = "sm90"
     contract_bearing = True
+    entries = CORE_ENTRIES | frozenset(SERVING_ENTRIES)
+    multi_target = False
 
     def __init__(self):
         # Launch configuration, a free axis (a name of LAUNCHES); tests set it to prove that it changes no bit.
@@ -94,6 +98,9 @@ class SM90Backend:
         self.mainloop_only = False
         # Tests set an int32 NaN pattern: outputs are filled with it before each launch (unwritten ones show).
         self.poison: int | None = None
+        # The auxiliary kernels and the test hooks (kernel/sm90_aux.py), over this backend's extension and buffers.
+        self.aux = SM90Aux(self)
+        self.hooks = SM90TestHooks(self)
 
     def _empty(self, *shape, device):
         out = torch.empty(*shape, dtype=torch.float32, device=device)
@@ -169,7 +176,7 @@ class SM90Backend:
         tile_max, tile_sum, logits = self._stats(hidden, weight, targets, temperature, bias, 0, vocab_size,
                                                  return_logits, target_logit)
         logp, lse = self.merge_stats(tile_max, tile_sum, target_logit)
-        return logp, lse, logits
+        return Forward(logp, lse, logits)
 
     def shard_stats(self, hidden, weight_shard, targets, *, vocab_start, vocab_size, bias, temperature,
                     return_logits):
@@ -183,13 +190,11 @@ class SM90Backend:
         target_logit = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
         if n_real == 0:
             empty = torch.empty(n, 0, dtype=torch.float32, device=dev)
-            return {"tile_max": empty, "tile_sum": empty.clone(), "target_logit": target_logit,
-                    "target_owned": owned, "tile_offset": vocab_start // _TILE,
-                    "logits": torch.empty(n, 0, dtype=torch.float32, device=dev) if return_logits else None}
+            return TileStats(empty, empty.clone(), target_logit, owned, vocab_start // _TILE,
+                             torch.empty(n, 0, dtype=torch.float32, device=dev) if return_logits else None)
         tile_max, tile_sum, logits = self._stats(hidden, weight_shard, targets, temperature, bias, vocab_start,
                                                  n_real, return_logits, target_logit)
-        return {"tile_max": tile_max, "tile_sum": tile_sum, "target_logit": target_logit, "target_owned": owned,
-                "tile_offset": vocab_start // _TILE, "logits": logits}
+        return TileStats(tile_max, tile_sum, target_logit, owned, vocab_start // _TILE, logits)
 
     def logits_and_stats(self, hidden, weight, *, zeros, ones, vocab_size, bias):
         """A serving head: FP32 logits [N, vocab_size] and the T = 1 tile statistics of every row, one launch, its
@@ -197,7 +202,7 @@ class SM90Backend:
         to a scratch row, which is returned), ones [N] FP32 the temperatures."""
         tile_max, tile_sum, logits, scratch = self._module().logits_and_stats(
             hidden, weight, zeros, ones, bias, vocab_size, self._launch_name(hidden.shape[0]), self.poison)
-        return tile_max, tile_sum, logits, scratch
+        return HeadStats(tile_max, tile_sum, logits, scratch)
 
     def merge_ids(self, tile_max, tile_sum, logits, ids, *, vocab_size, bad_rows, mirror):
         """logp of ids [N] or [N, C] (int32/int64) and lse [N] from a T = 1 call's statistics and logits over the
@@ -208,7 +213,7 @@ class SM90Backend:
         ids = ids if ids.dim() == 1 or ids.stride(-1) == 1 else ids.contiguous()
         logp, lse = self._module().merge_ids(tile_max, tile_sum, logits, ids, int(vocab_size), bad_rows, mirror,
                                              self.poison)
-        return logp, lse
+        return Merged(logp, lse)
 
     def merge_stats(self, tile_max, tile_sum, target_logit):
         ext = self._module()
@@ -216,53 +221,16 @@ class SM90Backend:
         logp = self._empty(n, device=tile_max.device)
         lse = self._empty(n, device=tile_max.device)
         ext.merge_stats(tile_max.contiguous(), tile_sum.contiguous(), target_logit.contiguous(), logp, lse)
-        return logp, lse
+        return Merged(logp, lse)
 
     def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
-        return self.merge_stats(*self.tile_stats_from_logits(logits, targets, temperature, vocab_size))
+        return self.merge_stats(*self.aux.tile_stats_from_logits(logits, targets, temperature, vocab_size))
 
-    # -- auxiliary entries (their bytes do not depend on the backend: the backward's dz epilogue, the transform
-    #    program's tile statistics over FP32 logits and top-p crossing, the fingerprint's row hashes) ---------------
-    def tile_stats_from_logits(self, logits, targets, temperature, vocab_size):
-        """(tile_max [N, nt], tile_sum [N, nt], target_logit [N]) of FP32 logits rows, without the merge."""
-        ext = self._module()
-        n = logits.shape[0]
-        nt = _cdiv(vocab_size, _TILE)
-        tile_max = self._empty(n, nt, device=logits.device)
-        tile_sum = self._empty(n, nt, device=logits.device)
-        target_logit = self._empty(n, device=logits.device)
-        logits = logits if logits.stride(-1) == 1 else logits.contiguous()   # rows may be strided
-        ext.logits_stats(logits, targets.contiguous(), temperature.contiguous(), int(vocab_size),
-                         tile_max, tile_sum, target_logit)
-        return tile_max, tile_sum, target_logit
-
-    def topp_crossing(self, q, p: float):
-        """Per row of q [R, V] (FP32, sorted descending), the first index where the sequential binary32 sum of
-        q reaches p (CONTRACT.md section 13.3)."""
-        return self._module().topp_crossing(q.contiguous(), float(p))
-
-    def backward_dz(self, hidden, weight, bias, temperature, lse, coef, g_logp, targets, vocab_start, n_cols, out):
-        """The contract GEMM of a vocabulary chunk with the logit gradient as its epilogue: out [rows, n_cols]
-        bf16 = (coef * exp(z/T - lse) + g_logp [target]) / T (kernel/autograd.py)."""
-        self._module().backward_dz(hidden, weight, bias, temperature, lse, coef, g_logp, targets, int(vocab_start),
-                                   int(n_cols), out)
-
-    def fingerprint_rows(self, words, multipliers, first_row, golden0, golden1):
-        """Per-row fingerprint hashes [rows, 2] int64 of words [rows, D/4] int64 (shared_contract/fingerprint.py)."""
-        return self._module().fingerprint_rows(words, multipliers, first_row, golden0, golden1)
-
-    # -- test hooks ---------------------------------------------------------------------------------------------
-    def device_explog(self, x):
-        """(contract_exp(x), contract_log(x), contract_exp_nonpos(x)) from the device functions of
-        contract_math.cuh; the last is meaningful for finite x <= 0 only."""
-        return tuple(self._module().explog(x.contiguous()))
-
-    def device_exp_fast(self, x):
-        """contract_exp_fast(x) from contract_math.cuh: the tile epilogue's exp where every lane of a warp lies in
-        [FAST_EXP_MIN, 0] = [-87, 0]; meaningful there only."""
-        return self._module().exp_fast(x.contiguous())
-
-    def device_div_rowrcp(self, z, t):
-        """(div_rn_rowrcp(z, t, RN(1 / t)), __fdiv_rn(z, t)) elementwise from stats_epilogue.cuh: the epilogue's
-        division from a row's reciprocal, unguarded, and the IEEE quotient."""
-        return tuple(self._module().div_rowrcp(z.contiguous(), t.contiguous()))
+    # -- the auxiliary kernels and the test hooks under the backend's name (kernel/transforms.py, tests, bench/) --
+    tile_stats_from_logits = property(lambda self: self.aux.tile_stats_from_logits)
+    topp_crossing = property(lambda self: self.aux.topp_crossing)
+    backward_dz = property(lambda self: self.aux.backward_dz)
+    fingerprint_rows = property(lambda self: self.aux.fingerprint_rows)
+    device_explog = property(lambda self: self.hooks.device_explog)
+    device_exp_fast = property(lambda self: self.hooks.device_exp_fast)
+    device_div_rowrcp = property(lambda self: self.hooks.device_div_rowrcp)

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from .backends import Forward, Merged
+
 
 class TorchBackend:
     name = "torch"
     contract_bearing = False
+    entries = frozenset({"linear_logp", "stats_from_logits"})
+    multi_target = False
 
     def available(self, device=None):
         return True, "always available"
@@ -26,9 +30,9 @@ class TorchBackend:
         z, zs = self._scaled(hidden, weight, bias, temperature, vocab_size)
         lse = torch.logsumexp(zs, dim=-1)
         logp = zs.gather(1, targets[:, None]).squeeze(1) - lse
-        return logp, lse, (z if return_logits else None)
+        return Forward(logp, lse, z if return_logits else None)
 
     def stats_from_logits(self, logits, targets, *, temperature, vocab_size):
         zs = logits[:, :vocab_size].float() / temperature[:, None]
         lse = torch.logsumexp(zs, dim=-1)
-        return zs.gather(1, targets[:, None]).squeeze(1) - lse, lse
+        return Merged(zs.gather(1, targets[:, None]).squeeze(1) - lse, lse)
