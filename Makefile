@@ -368,3 +368,14 @@ vllm-gpu-profile: vllm-gpu-sm90
 vllm-gpu-mp: vllm-gpu-ready
 	bash tools/vllm_gpu_mp_probe.sh $(VLLM_GPU_OUT)/vllm-gpu-mp $${MP_LIMIT:-120} "$(VLLM_GPU_LIB)"; \
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-mp.tgz -C $(VLLM_GPU_OUT) vllm-gpu-mp && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-mp
+	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-mp.tgz -C $(VLLM_GPU_OUT) vllm-gpu-mp && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-mp
+
+# The SM90 extension (and the compiled CPU oracle) built ahead of time into the node's shared cache
+# (FUSED_LOGP_CACHE, default ~/.cache/fused_logp; docs/cli.md): engines that start after it load and compile nothing.
+# BUILD_TARGET: sm90 (default), oracle-fast or all. `make bench-startup` (SM90 machine): bench/startup_cold_warm.py.
+.PHONY: build-ext bench-startup
+build-ext:
+	$(GPU_ENV) $(PYTHON) -P -m fused_logp.cli build $(or $(BUILD_TARGET),sm90)
+
+bench-startup:
+	$(GPU_ENV) $(PYTHON) -P bench/startup_cold_warm.py --out $${OUT:-out}
