@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe check-division sass-epilogue clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe sass-epilogue clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -45,14 +45,6 @@ sass-epilogue: $(STAMP)
 		$(PY) -m zipfile -e build/sass-tools/nvidia_cuda_nvdisasm-*.whl build/sass-tools && \
 		chmod +x build/sass-tools/nvidia/cu13/bin/nvdisasm && nv=build/sass-tools/nvidia/cu13/bin/nvdisasm; fi; \
 	NVDISASM=$$nv $(PY) -P bench/sass_epilogue.py --loop --path $(SASS_ARGS)
-
-# The statistics epilogue's division by a row's temperature (stats_epilogue.cuh div_rn_rowrcp) against the IEEE quotient
-# on this CPU: every z of its guarded range for each temperature of tools/division_t_values.py (590 values, ~3.4e9 z
-# each; about 2 s a value on 2 cores with AVX-512). `make test` runs a sampled form of it.
-check-division: cxx-check
-	@mkdir -p build
-	$${CXX:-c++} -O2 -march=native -std=c++17 -ffp-contract=off -pthread tools/check_row_division.cpp -o build/check_row_division
-	build/check_row_division exhaustive $$($(PYTHON) tools/division_t_values.py)
 
 # On an SM90 machine (H100/H200) with torch and nvcc but no package index: the checkout runs as it is (src/ on
 # PYTHONPATH, nothing installed); the extension builds on first use.
@@ -367,7 +359,6 @@ vllm-gpu-profile: vllm-gpu-sm90
 
 vllm-gpu-mp: vllm-gpu-ready
 	bash tools/vllm_gpu_mp_probe.sh $(VLLM_GPU_OUT)/vllm-gpu-mp $${MP_LIMIT:-120} "$(VLLM_GPU_LIB)"; \
-	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-mp.tgz -C $(VLLM_GPU_OUT) vllm-gpu-mp && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-mp
 	tar -czf $(VLLM_GPU_OUT)/vllm-gpu-mp.tgz -C $(VLLM_GPU_OUT) vllm-gpu-mp && rm -rf $(VLLM_GPU_OUT)/vllm-gpu-mp
 
 # The SM90 extension (and the compiled CPU oracle) built ahead of time into the node's shared cache

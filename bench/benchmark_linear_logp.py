@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/peers.py (scripts run with -P)
 import peers as peer_lib  # noqa: E402
 from interleave import interleaved_rounds  # noqa: E402
+import energy  # noqa: E402
 
 
 def _do_bench(fn, rep_ms):
@@ -110,6 +111,8 @@ def main():
                          "(+mainloop: the timing hook, mainloop without statistics)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--energy", type=float, default=0.6,
+                    help="seconds of back-to-back calls for the energy per call (NVML counter); 0: not measured")
     ap.add_argument("--smoke", action="store_true",
                     help="one small call per launch configuration and entry, then exit (for compute-sanitizer / ncu)")
     ap.add_argument("--smoke-launches", default="", help="with --smoke: only these configurations (and auto)")
@@ -186,6 +189,8 @@ def main():
                 row[name + "_ms"] = ms
                 row[name + "_tflops"] = flops / ms / 1e9
                 row[name + "_peak_extra_mib"] = mem / 2**20
+                if args.energy and name in ("gemm_bf16", "cublas_logsoftmax", "ours", "ours_logits") and ms == ms:
+                    row[name + "_joules"] = energy.joules_per_call(fn, args.energy)
                 torch.cuda.empty_cache()
             for name, (pfn, pinfo) in peers.items():
                 row[name + "_error"] = None if pfn is not None else pinfo["status"]
@@ -214,6 +219,8 @@ def main():
                     row[name + "_ms"] = ms
                     row[name + "_tflops"] = flops / ms / 1e9
                     row[name + "_peak_extra_mib"] = mem / 2**20
+                    if args.energy:
+                        row[name + "_joules"] = energy.joules_per_call(peer, args.energy)
                 except Exception as e:  # noqa: BLE001 - the peer's failure is recorded, the run goes on
                     row[name + "_error"] = peer_lib.err(e)
                 torch.cuda.empty_cache()
@@ -252,6 +259,8 @@ def main():
         "timing": "triton.testing.do_bench median (CUDA events), 2 rotating hidden sets, no bias; *_interleaved: "
                   "GEMM, ours and ours with logits in the same 7 rounds (bench/benchmark_linear_logp.py _interleaved)",
         "temperature": args.temperature,
+        "energy": "joules per call from NVML's total-energy counter over back-to-back calls (bench/energy.py)",
+        "power_limit_w": energy.power_limit_w(),
         "peers_temperature": 1.0,
         "peers_not_installed": peer_lib.not_installed(peers),
         "peers": {name: pinfo for name, (_, pinfo) in peers.items()},

@@ -1,6 +1,7 @@
 """An independent, scalar, deliberately plain transcription of CONTRACT.md, for tests only.
 
-It shares nothing with the oracle except the contract's exp/log (tested on their own against float64):
+It shares nothing with the oracle except the contract's exp2/log (tested on their own, the exp2 against the model
+the H200 verified and the log against float64):
 the GEMM rule is exact Python integer arithmetic on the bf16 bit fields, and the tile tree and the row merge
 are explicit loops over numpy binary32 scalars.
 """
@@ -11,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from fused_logp.kernel.transcendentals import contract_exp, contract_log
+from fused_logp.kernel.transcendentals import LOG2E, contract_ex2, contract_log
 
 F32 = np.float32
 
@@ -78,21 +79,22 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> np.ndarray:
 def row_logp(z_row: np.ndarray, target: int, temperature: float, vocab_size: int):
     """(logp, lse) of one row of unscaled FP32 logits by the contract's definition, scalar loops."""
     T = F32(temperature)
-    zs = [F32(F32(z_row[v]) / T) for v in range(vocab_size)]
+    c = F32(LOG2E / T)
+    z = [F32(z_row[v]) for v in range(vocab_size)]
     n_tiles = -(-vocab_size // 64)
     tmax, tsum = [], []
     for t in range(n_tiles):
-        real = [zs[v] for v in range(64 * t, min(64 * t + 64, vocab_size))]
-        m = F32(max(real))
-        lanes = [F32(contract_exp(F32(x - m))) for x in real] + [F32(0.0)] * (64 - len(real))
+        real = [z[v] for v in range(64 * t, min(64 * t + 64, vocab_size))]
+        big = F32(max(real))
+        lanes = [F32(contract_ex2(F32(F32(x - big) * c))) for x in real] + [F32(0.0)] * (64 - len(real))
         while len(lanes) > 1:
             lanes = [F32(lanes[i] + lanes[i + 1]) for i in range(0, len(lanes), 2)]
-        tmax.append(m)
+        tmax.append(F32(big / T))
         tsum.append(lanes[0])
     m = F32(max(tmax))
-    s = F32(tsum[0] * F32(contract_exp(F32(tmax[0] - m))))
+    s = F32(tsum[0] * F32(contract_ex2(F32(F32(tmax[0] - m) * LOG2E))))
     for t in range(1, n_tiles):
-        s = F32(s + F32(tsum[t] * F32(contract_exp(F32(tmax[t] - m)))))
+        s = F32(s + F32(tsum[t] * F32(contract_ex2(F32(F32(tmax[t] - m) * LOG2E)))))
     lse = F32(m + F32(contract_log(s)))
-    logp = min(F32(zs[target] - lse), F32(0.0))
+    logp = min(F32(F32(z[target] / T) - lse), F32(0.0))
     return F32(logp), lse

@@ -108,65 +108,43 @@ def test_constants_checked_at_build(be):
     assert [int(x) for x in sm90._ext.contract_constants()] == sm90.expected_constants()
 
 
-def test_device_exp_log_match_cpu(be, gen):
-    from fused_logp.kernel.transcendentals import contract_exp, contract_log
+def test_device_ex2_log_match_cpu(be, gen):
+    from fused_logp.kernel.transcendentals import contract_ex2, contract_log
     bits = torch.randint(0, 2**32, (1 << 22,), generator=gen, dtype=torch.int64).to(torch.uint32)
     x = bits.view(torch.float32)
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45,
-                            88.72284, 88.72283, -103.97208, -103.97207, 1.1754944e-38, 1.1754942e-38])
-    dom = torch.cat([x, special, -torch.rand(1 << 20, generator=gen) * 110.0,
+                            -126.0, -126.5, -149.0, 1.1754944e-38, 1.1754942e-38])
+    dom = torch.cat([x, special, -torch.rand(1 << 20, generator=gen) * 160.0,
                      torch.rand(1 << 20, generator=gen) * 4096.0])
-    e, l, en = be.device_explog(dom.cuda())
-    ce = torch.from_numpy(contract_exp(dom.numpy()))
-    cl = torch.from_numpy(contract_log(dom.numpy()))
-    assert beq(e, ce)
-    assert beq(l, cl)
-    nonpos = (dom <= 0) & torch.isfinite(dom)          # the tile-sum exp's domain
-    assert beq(en.cpu()[nonpos], ce[nonpos])
+    e, l = be.device_ex2log(dom.cuda())
+    assert beq(l, torch.from_numpy(contract_log(dom.numpy())))
+    nonpos = ~(dom > 0)                                 # the exp2's domain (NaN included)
+    assert beq(e.cpu()[nonpos], torch.from_numpy(contract_ex2(dom[nonpos].numpy())))
 
 
-def test_device_exp_fast_matches_cpu(be, gen):
-    """The epilogue's one-multiply exp equals the contract exp bit for bit on [-87, 0] (where the epilogue takes it):
-    random bit patterns of the interval, its last 2^21 floats above -87, and the ends."""
-    from fused_logp.kernel.transcendentals import contract_exp
-    lo, hi = 0x80000000, int(np.float32(-87.0).view(np.uint32))
-    bits = torch.randint(lo, hi + 1, (1 << 22,), generator=gen, dtype=torch.int64)
-    edge = torch.arange(hi - (1 << 21), hi + 1, dtype=torch.int64)
-    x = torch.cat([bits, edge]).to(torch.uint32).view(torch.float32)
-    x = torch.cat([x, torch.tensor([0.0, -0.0, -87.0, -1e-45, -1.0, -0.5])])
-    want = torch.from_numpy(contract_exp(x.numpy()))
-    assert beq(be.device_exp_fast(x.cuda()).cpu(), want)
+def test_device_ex2_selftest_passes_and_is_in_provenance(be):
+    """The first-use check (CONTRACT.md section 6): this GPU's ex2.approx.ftz.f32 equals the model on every
+    binary32 x <= 0 and every x in [0, 2^-23); the record names the device and reaches the provenance."""
+    from fused_logp.kernel import sm90
+    ok, record = sm90.ex2_check(torch.device("cuda"))
+    assert ok, record
+    assert f"{(1 << 31) + 0x34000000} arguments, 0 differ" in record and torch.cuda.get_device_name() in record
+    assert be.describe()["ex2_check"] == record
 
 
-def test_device_row_reciprocal_division_is_ieee(be, gen):
-    """The epilogue's division from a row's reciprocal equals __fdiv_rn (the IEEE quotient) bit for bit on its
-    guarded domain: T in [2^-20, 2^20], 2^-100 <= |z| <= 2^100 (random bit patterns of both, the ends, the usual
-    temperatures)."""
-    m = 1 << 22
-
-    def draw(elo, ehi, signed):
-        e = torch.randint(127 + elo, 127 + ehi + 1, (m,), generator=gen, dtype=torch.int64)
-        b = (e << 23) | torch.randint(0, 1 << 23, (m,), generator=gen, dtype=torch.int64)
-        if signed:
-            b = b | (torch.randint(0, 2, (m,), generator=gen, dtype=torch.int64) << 31)
-        return b.to(torch.uint32).view(torch.float32)
-
-    z, t = draw(-100, 100, True), draw(-20, 19, False)
-    ends_t = torch.tensor([2.0 ** -20, 2.0 ** 20, 0.7, 0.3, 1.7, 2.0, np.nextafter(np.float32(2), np.float32(0))],
-                          dtype=torch.float32)
-    ends_z = torch.tensor([2.0 ** -100, 2.0 ** 100, 1.0, -3.0, 0.1, 87.5], dtype=torch.float32)
-    z = torch.cat([z, ends_z.repeat(len(ends_t))])
-    t = torch.cat([t, ends_t.repeat_interleave(len(ends_z))])
-    q, q_ref = be.device_div_rowrcp(z.cuda(), t.cuda())
-    assert beq(q, q_ref)
-    assert beq(q_ref.cpu(), z / t)                                     # and the device quotient is the CPU's
+def test_device_ex2_selftest_detects_a_different_table(be):
+    from fused_logp.kernel import sm90
+    from fused_logp.shared_contract.ex2_table import table_bits
+    t = torch.from_numpy(np.array(table_bits()).view(np.int32)).cuda()
+    t[1000] += 1
+    counts = sm90._ext.ex2_selftest(t).cpu()
+    assert int(counts[1]) > 0 and int(counts[0]) == (1 << 31) + 0x34000000
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_row_division_guard_edges(be, oracle, cgen, variant):
-    """The epilogue takes __fdiv_rn wherever its row division guard fails: rows of logits above 2^100 or below
-    2^-100 in magnitude, exact zeros, temperatures outside [2^-20, 2^20], beside rows that pass it; its bytes equal
-    the oracle's, and the logits are the same under every configuration."""
+    """Rows of logits above 2^100 or below 2^-100 in magnitude, exact zeros and the temperature range's ends beside
+    ordinary rows: the bytes equal the oracle's, and the logits are the same under every configuration."""
     n, d, v = 24, 256, 1000
     h, w, t, b = make_inputs(cgen, n, d, v, scale_w=0.5)
     scale = torch.ones(n, 1, device="cuda")
@@ -175,7 +153,7 @@ def test_row_division_guard_edges(be, oracle, cgen, variant):
     scale[8:10] = 0.0                     # exact zeros
     h = (h.float() * scale).to(torch.bfloat16)
     t = torch.rand(n, generator=cgen, device="cuda") + 0.5       # guarded-out logits above at T in [0.5, 1.5)
-    t[12:18] = torch.tensor([1e-7, 1e7, 2.0 ** -20, 2.0 ** 20, 0.7, 1.0], device="cuda")   # ordinary logits
+    t[12:18] = torch.tensor([2.0 ** -19, 2.0 ** 19, 2.0 ** -20, 2.0 ** 20, 0.7, 1.0], device="cuda")   # ordinary logits
     tg = targets_for(cgen, n, v)
     base = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256")
     out = run(be, h, w, tg, t, None, v, logits=True, variant=variant)

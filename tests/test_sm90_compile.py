@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
-import secrets
 import shutil
 import subprocess
 import sys
@@ -20,62 +19,44 @@ CSRC = Path(__file__).resolve().parents[1] / "src" / "fused_logp" / "kernel" / "
 HEADER = CSRC / "contract_math.cuh"
 
 
-def _header_constants() -> dict[str, int]:
-    text = HEADER.read_text()
-    out = {}
-    for name, val in re.findall(r"constexpr\s+(?:uint32_t|int)\s+(\w+)\s*=\s*(0x[0-9A-Fa-f]+|\d+)u?\s*;", text):
-        out[name] = int(val, 0)
-    return out
+def test_generated_constants_header_is_current():
+    """kernel/csrc/contract_constants.h, included by the CUDA build and the compiled CPU oracle, is what
+    kernel/contract_header.py renders from shared_contract/constants.py."""
+    from fused_logp.kernel import contract_header
+    assert contract_header.HEADER.read_text() == contract_header.render(), \
+        "run: python -m fused_logp.kernel.contract_header --write"
+    text = contract_header.HEADER.read_text()
+    assert f'"{C.CONTRACT_VERSION}"' in text and f"0x{C.EXP_LOG2E:08X}u" in text
 
 
-def test_header_constants_equal_python_constants():
-    h = _header_constants()
-    want = {
-        "EXP_LOG2E": C.EXP_LOG2E, "EXP_SHIFTER": C.EXP_SHIFTER, "EXP_LN2_HI": C.EXP_LN2_HI,
-        "EXP_LN2_LO": C.EXP_LN2_LO, "EXP_X_MAX": C.EXP_X_MAX, "EXP_X_MIN": C.EXP_X_MIN,
-        "LOG_SQRT_HALF_BITS": C.LOG_SQRT_HALF_BITS, "LOG_LN2_HI": C.LOG_LN2_HI, "LOG_LN2_LO": C.LOG_LN2_LO,
-        "VOCAB_TILE": C.VOCAB_TILE, "K_GROUP": C.K_GROUP,
-    }
-    for i, v in enumerate(C.EXP_POLY):
-        want[f"EXP_POLY_C{i + 2}"] = v
-    for i, v in enumerate(C.LOG_POLY):
-        want[f"LOG_POLY_{i}"] = v
-    for k, v in want.items():
-        assert k in h, f"{k} missing from {HEADER.name}"
-        assert h[k] == v, f"{k}: header {h[k]:#x} != constants.py {v:#x}"
-    assert "shared_contract/constants.py" in HEADER.read_text()
+def test_both_compiled_implementations_take_the_constants_from_the_header():
+    cuh = HEADER.read_text()
+    assert '#include "contract_constants.h"' in cuh
+    for name in ("EXP_LOG2E", "LOG_LN2_HI", "LOG_LN2_LO", "LOG_SQRT2_BITS", "VOCAB_TILE", "K_GROUP"):
+        assert re.search(rf"constexpr\s+(?:uint32_t|int)\s+{name}\s*=\s*FL_", cuh), name
+    assert not re.search(r"constexpr\s+uint32_t\s+\w+\s*=\s*0x", cuh), "a literal bit pattern in contract_math.cuh"
+    cpp = (CSRC.parent / "cpu" / "oracle_cpu.cpp").read_text()
+    assert '#include "../csrc/contract_constants.h"' in cpp
+    for src in ((CSRC / "sm90_forward.cu").read_text(), cpp):
+        assert re.search(r"contract_constants\(\) \{ return \{FL_CONTRACT_CONSTANTS_LIST\}; \}", src)
 
 
 def test_sm90_module_constant_order_matches_extension_source():
     """kernel/sm90.py checks the built extension's constants in the order contract_constants() returns them."""
+    from fused_logp.kernel import contract_header
     from fused_logp.kernel.sm90 import expected_constants
-    src = (CSRC / "sm90_forward.cu").read_text()
-    body = re.search(r"contract_constants\(\) \{.*?return \{(.*?)\};", src, re.S).group(1)
-    names = [s.strip() for s in body.split(",")]
-    h = _header_constants()
-    assert [h[n] for n in names] == expected_constants()
-
-
-# The fused multiply-adds the kernels may use, each giving the bits of the separately rounded form it replaces:
-# exp_reduce's exact-product step and the statistics epilogue's division from a row's reciprocal.
-FMA_USES = {"contract_math.cuh": 1, "stats_epilogue.cuh": 4}
+    assert expected_constants() == [v for _, v in contract_header.defines()]
 
 
 def test_no_fast_math_or_libm_in_kernel_sources():
     for f in CSRC.glob("*.cu*"):
         text = f.read_text()
-        for bad in ("__expf", "__logf", "expf(", "logf(", "use_fast_math"):
+        for bad in ("__expf", "__logf", "expf(", "logf(", "use_fast_math", "fmaf"):
             assert bad not in text, f"{f.name} uses {bad}"
-        assert text.count("fmaf") == text.count("__fmaf_rn(") == FMA_USES.get(f.name, 0), f.name
-    exp = (CSRC / "contract_math.cuh").read_text()
-    assert "const float hi = __fmaf_rn(-k, bits(EXP_LN2_HI), xc);" in exp
-    div = (CSRC / "stats_epilogue.cuh").read_text()
-    body = re.search(r"float div_rn_rowrcp\(float z, float T, float y\) \{(.*?)\n\}", div, re.S).group(1)
-    assert body.count("__fmaf_rn(") == 4
-    # The backward's logit-gradient epilogue (not contract-bearing) is the one user of the hardware ex2.approx:
-    # defined once, called once, and only under the DZ kernels' compile-time branch.
-    hits = {f.name: f.read_text().count("\"ex2.approx") for f in CSRC.glob("*.cu*")}
-    assert {k: v for k, v in hits.items() if v} == {"dz_epilogue.cuh": 1}, hits
+    # The hardware exp2 appears twice: the contract's exp2 (contract_math.cuh, whose exact model the CPU oracles
+    # reproduce) and the backward's logit-gradient epilogue (not contract-bearing), only under the DZ kernels' branch.
+    hits = {f.name: f.read_text().count("\"ex2.approx.ftz.f32") for f in CSRC.glob("*.cu*")}
+    assert {k: v for k, v in hits.items() if v} == {"contract_math.cuh": 1, "dz_epilogue.cuh": 1}, hits
     dz = (CSRC / "dz_epilogue.cuh").read_text()
     assert dz.count("ex2_approx(") == 3          # the definition and the two lanes of wg_dz_epilogue
     kernels = (CSRC / "fused_kernels.cuh").read_text()
@@ -86,8 +67,17 @@ def test_no_fast_math_or_libm_in_kernel_sources():
     branch, call = kernels.index("if constexpr (DZ) {"), kernels.index("wg_dz_epilogue<")
     assert 0 < call - branch < 1000 and "}" not in kernels[branch + len("if constexpr (DZ) {"):call]
     from fused_logp.kernel import sm90
-    assert "--use_fast_math" not in sm90.CUDA_FLAGS
+    assert "--use_fast_math" not in sm90.CUDA_FLAGS and not any("ftz" in f for f in sm90.CUDA_FLAGS)
     assert "-gencode=arch=compute_90a,code=sm_90a" in sm90.CUDA_FLAGS
+
+
+def test_statistics_use_the_contract_exp2_only():
+    """Every exp of the forward statistics and the row merge is contract_ex2 of a non-positive product."""
+    epi = (CSRC / "stats_epilogue.cuh").read_text()
+    fwd = (CSRC / "sm90_forward.cu").read_text()
+    assert epi.count("contract::contract_ex2(__fmul_rn(__fsub_rn(z[h][i], m[h]), c))") == 2
+    assert "contract::contract_ex2(__fmul_rn(__fsub_rn(mx[base + i], m)," in fwd
+    assert fwd.count("contract::contract_ex2(__fmul_rn(__fsub_rn(z") == 2
 
 
 def test_named_barriers_of_two_paths_are_the_non_aligned_form():
@@ -178,46 +168,3 @@ def test_full_k_mainloop_has_no_injected_wgmma_waits(ptxas_reports):
             if any(code in line for code in ("C7508", "C7510", "C7515", "C7519", "C7520")):
                 first_bool = re.search(r"Lb([01])E", line)
                 assert first_bool is None or first_bool.group(1) == "0", f"{src}: {line}"
-
-
-def test_fused_exp_reduction_product_is_exact():
-    """exp_reduce<true> (contract_math.cuh) computes xc - k LN2_HI as one fused multiply-add: the bits of the
-    contract's separate multiply and subtract wherever k LN2_HI is exact in binary32, which holds for every k the
-    clamped argument [EXP_X_MIN, EXP_X_MAX] gives (k = round(xc LOG2E) in [-150, 128]) and beyond."""
-    import numpy as np
-    hi = np.array([C.EXP_LN2_HI], dtype=np.uint32).view(np.float32)[0]
-    xs = np.array([C.EXP_X_MIN, C.EXP_X_MAX], dtype=np.uint32).view(np.float32)
-    log2e = np.array([C.EXP_LOG2E], dtype=np.uint32).view(np.float32)[0]
-    kmin, kmax = (int(np.rint(np.float32(x) * log2e)) for x in xs)
-    assert kmin >= -151 and kmax <= 129
-    k = np.arange(-256, 257, dtype=np.float32)
-    assert np.array_equal((k * hi).astype(np.float64), k.astype(np.float64) * np.float64(hi))
-
-
-def test_row_reciprocal_division_sampled_on_the_cpu(tmp_path):
-    """tools/check_row_division.cpp: the epilogue's five operations on y = RN(1 / T) equal the IEEE quotient
-    on 10^7 random (z, T) pairs of the guarded domain and its ends (the exhaustive run over z for 590 T values is
-    `make check-division`; bench/results/ holds its output)."""
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    src = Path(__file__).resolve().parents[1] / "tools" / "check_row_division.cpp"
-    exe = tmp_path / "check_row_division"
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-pthread", str(src), "-o", str(exe)], check=True)
-    r = subprocess.run([str(exe), "sample", "10000000", str(secrets.randbits(32) | 1)], stdout=subprocess.PIPE,
-                       text=True, timeout=600)
-    assert r.returncode == 0 and " 0 mismatches" in r.stdout, r.stdout
-
-
-def test_row_division_guard_is_the_checked_domain():
-    """The epilogue's division guard (stats_epilogue.cuh) lies inside the domain tools/check_row_division.cpp checks:
-    T in [2^-20, 2^20] and 2^-100 <= |z| <= 2^100 there, exponent fields [107, 147] and [27, 227] in the tool."""
-    epi = (CSRC / "stats_epilogue.cuh").read_text()
-    g = dict(re.findall(r"(kRowRcp[TZ]M(?:in|ax)) = 0x1p(-?\d+)f", epi))
-    assert {k: int(v) for k, v in g.items()} == {"kRowRcpTMin": -20, "kRowRcpTMax": 20, "kRowRcpZMin": -100,
-                                                  "kRowRcpZMax": 100}
-    tool = (Path(__file__).resolve().parents[1] / "tools" / "check_row_division.cpp").read_text()
-    t = dict(re.findall(r"(k[TZ]Exp(?:Lo|Hi)) = 127 ([+-] \d+)", tool))
-    t = {k: 127 + int(v.replace(" ", "")) for k, v in t.items()}
-    assert t["kTExpLo"] <= 127 + int(g["kRowRcpTMin"]) and 127 + int(g["kRowRcpTMax"]) <= t["kTExpHi"]
-    assert t["kZExpLo"] <= 127 + int(g["kRowRcpZMin"]) and 127 + int(g["kRowRcpZMax"]) <= t["kZExpHi"]

@@ -24,7 +24,7 @@ LM_HEAD_STD = 0.5
 # A CPU vLLM engine for this model: token-id prompts, bf16, small KV cache, eager.
 VLLM_ENGINE_KW = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
                       max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20, seed=0,
-                      disable_log_stats=True)
+                      disable_log_stats=True, logprobs_mode="processed_logprobs")
 
 
 def make_tiny_qwen3(path: str | os.PathLike, *, seed: int = 0, tie: bool = False, **overrides) -> Path:

@@ -1,4 +1,4 @@
-"""The CPU oracle of contract v1: the same arithmetic as the SM90 kernel, bit for bit, GEMM included.
+"""The CPU oracle of the contract: the same arithmetic as the SM90 kernel, bit for bit, GEMM included.
 
 GEMM: `hopper_logits` (its docstring is the rule, step by step; CONTRACT.md section 2 with the erratum of
 2026-12-01). Every aligned term is an integer below 2^28 and the 17-term sum is below 2^33, so float64 holds
@@ -15,7 +15,7 @@ import torch
 
 from ..shared_contract import constants as C
 from .backends import CORE_ENTRIES, Forward, Merged, TileStats
-from .transcendentals import contract_exp, contract_log
+from .transcendentals import LOG2E, contract_ex2, contract_log
 
 _TILE = C.VOCAB_TILE
 _KG = C.K_GROUP
@@ -155,36 +155,49 @@ def _hopper_block(ha, he, wa, we, raw=None) -> torch.Tensor:
 # Tile statistics and the row merge (numpy binary32)
 # ---------------------------------------------------------------------------------------------------------
 
+def row_scale(temperature: np.ndarray) -> np.ndarray:
+    """c = div(LOG2E, T) per row (CONTRACT.md section 3): the exp2 argument's scale. [N] fp32 -> [N] fp32."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return (LOG2E / np.asarray(temperature, dtype=np.float32)).astype(np.float32)
+
+
 def tile_stats(z: np.ndarray, temperature: np.ndarray, n_real: int, keep: np.ndarray | None = None):
-    """Statistics of consecutive global tiles. z [N, n_real] fp32 unscaled logits (+bias) starting on a tile
-    boundary; temperature [N] fp32; keep [N, n_real] bool or None: lanes not kept are treated exactly like
-    padding (the sampling-transform program's kept set). Returns (tile_max [N, nt], tile_sum [N, nt],
-    zs [N, n_real] scaled)."""
+    """Statistics of consecutive global tiles (CONTRACT.md section 4). z [N, n_real] fp32 unscaled logits (+bias)
+    starting on a tile boundary; temperature [N] fp32; keep [N, n_real] bool or None: lanes not kept are treated
+    exactly like padding (the sampling-transform program's kept set). Returns (tile_max [N, nt] = div(M_t, T),
+    tile_sum [N, nt], zs [N, n_real] = div(z, T), the scaled logits a target or a program reads)."""
     n = z.shape[0]
     nt = -(-n_real // _TILE)
-    with np.errstate(invalid="ignore", over="ignore"):
-        zs = (z[:, :n_real] / temperature[:, None]).astype(np.float32)
+    temp = np.asarray(temperature, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        zr = np.ascontiguousarray(z[:, :n_real], dtype=np.float32)
+        zs = (zr / temp[:, None]).astype(np.float32)
+        c = row_scale(temp)
         real = np.zeros((n, nt * _TILE), dtype=bool)
         real[:, :n_real] = True if keep is None else keep
-        tiles = np.where(real, np.pad(zs, ((0, 0), (0, nt * _TILE - n_real))), np.float32(-np.inf))
+        tiles = np.where(real, np.pad(zr, ((0, 0), (0, nt * _TILE - n_real))), np.float32(-np.inf))
         tiles = tiles.astype(np.float32).reshape(n, nt, _TILE)
         real = real.reshape(n, nt, _TILE)
-        tmax = tiles.max(axis=-1)
+        raw_max = tiles.max(axis=-1)                                      # M_t over the raw logits
         nonfinite = (~np.isfinite(tiles) & real).any(axis=-1)
-        tmax = np.where(nonfinite, np.float32(np.nan), tmax).astype(np.float32)
-        lanes = contract_exp(tiles - tmax[..., None])
-        lanes = np.where(real, lanes, np.float32(0.0)).astype(np.float32)
+        raw_max = np.where(nonfinite, np.float32(np.nan), raw_max).astype(np.float32)
+        arg = ((tiles - raw_max[..., None]).astype(np.float32) * c[:, None, None]).astype(np.float32)
+        arg = np.where(real, arg, np.float32(-np.inf))                   # non-real lanes: exactly +0
+        lanes = contract_ex2(arg)
         while lanes.shape[-1] > 1:                                        # adjacent-pairwise tree, 6 levels
             lanes = (lanes[..., 0::2] + lanes[..., 1::2]).astype(np.float32)
-        tsum = lanes[..., 0]
+        tsum = np.where(nonfinite, np.float32(np.nan), lanes[..., 0]).astype(np.float32)
+        tmax = (raw_max / temp[:, None]).astype(np.float32)
     return tmax, tsum, zs
 
 
 def row_lse(tile_max: np.ndarray, tile_sum: np.ndarray) -> np.ndarray:
-    """lse of each row from its global tiles in ascending order. [N, T], [N, T] fp32 -> [N] fp32."""
+    """lse of each row from its global tiles in ascending order (CONTRACT.md section 5). [N, T], [N, T] fp32 ->
+    [N] fp32."""
     with np.errstate(invalid="ignore", over="ignore"):
         m = tile_max.max(axis=1)                                          # NaN-propagating
-        w = contract_exp(tile_max - m[:, None])
+        d = ((tile_max - m[:, None]).astype(np.float32) * LOG2E).astype(np.float32)
+        w = contract_ex2(np.where(np.isnan(d), np.float32(np.nan), d))
         s = (tile_sum[:, 0] * w[:, 0]).astype(np.float32)
         for t in range(1, tile_max.shape[1]):
             s = (s + tile_sum[:, t] * w[:, t]).astype(np.float32)
@@ -209,7 +222,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 class OracleBackend:
-    """Contract v1 on the CPU. Accepts tensors on any device; computes on the CPU; returns on the input device."""
+    """The contract on the CPU. Accepts tensors on any device; computes on the CPU; returns on the input device."""
 
     name = "oracle"
     contract_bearing = True

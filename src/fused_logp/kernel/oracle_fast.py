@@ -50,6 +50,7 @@ import torch
 
 from ..shared_contract import constants as C
 from .backends import CORE_ENTRIES, Forward, Merged, TileStats
+from .contract_header import defines
 from .extension_build import build_checked
 
 _SRC = Path(__file__).resolve().parent / "cpu" / "oracle_cpu.cpp"
@@ -68,18 +69,9 @@ _ext_error: str | None = None
 
 
 def _defines() -> list[tuple[str, int]]:
-    """The contract constants compiled into the extension, in the order contract_constants() returns them."""
-    exp_c = dict(zip(("C2", "C3", "C4", "C5", "C6", "C7"), C.EXP_POLY))
-    return ([("VOCAB_TILE", C.VOCAB_TILE), ("K_GROUP", C.K_GROUP), ("ALIGN_FRAC_BITS", C.ALIGN_FRAC_BITS),
-             ("ACC_BITS", C.ACC_SIGNIFICAND_BITS), ("ALIGN_EXP_FLOOR", _ALIGN_EXP_FLOOR),
-             ("GEMM_NAN_BITS", _GEMM_NAN_BITS), ("EXP_LOG2E", C.EXP_LOG2E), ("EXP_SHIFTER", C.EXP_SHIFTER),
-             ("EXP_LN2_HI", C.EXP_LN2_HI), ("EXP_LN2_LO", C.EXP_LN2_LO)]
-            + [(f"EXP_{k}", v) for k, v in exp_c.items()]
-            + [("EXP_X_MAX", C.EXP_X_MAX), ("EXP_X_MIN", C.EXP_X_MIN),
-               # the split point of log's mantissa: sqrt(2) = sqrt(1/2) with the exponent field one higher
-               ("LOG_SQRT2_BITS", C.LOG_SQRT_HALF_BITS + 0x00800000),
-               ("LOG_LN2_HI", C.LOG_LN2_HI), ("LOG_LN2_LO", C.LOG_LN2_LO)]
-            + [(f"LOG_Q{i}", v) for i, v in enumerate(C.LOG_POLY)])
+    """The contract constants compiled into the extension (kernel/csrc/contract_constants.h), in the order
+    contract_constants() returns them."""
+    return defines()
 
 
 def _cpu_digest() -> str:
@@ -121,15 +113,16 @@ def _build():
         if problem:
             _ext_error = problem
             return
-        defines = [f"-DFL_{k}={v:#x}" if k.startswith(("EXP", "LOG", "GEMM")) else f"-DFL_{k}={v}"
-                   for k, v in _defines()]
         _ext, _ext_error = build_checked(
             "the compiled CPU oracle", [v for _, v in _defines()],
             name=f"fused_logp_oracle_cpu_{_cpu_digest()}",
             sources=[str(_SRC)],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", *defines],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
+        if _ext is not None:                 # the exp2 table (verified against its digest) before any statistic
+            from ..shared_contract.ex2_table import table_bits
+            _ext.set_ex2_table(torch.from_numpy(np.array(table_bits()).view(np.int32)))
 
 
 def extension():
@@ -148,7 +141,7 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 class OracleFastBackend:
-    """Contract v1 on the CPU, compiled (kernel/cpu/oracle_cpu.cpp). Same entries and bytes as OracleBackend."""
+    """The contract on the CPU, compiled (kernel/cpu/oracle_cpu.cpp). Same entries and bytes as OracleBackend."""
 
     name = "oracle-fast"
     contract_bearing = True
@@ -258,9 +251,9 @@ class OracleFastBackend:
         return Merged(logp, lse) if dev.type == "cpu" else Merged(logp.to(dev), lse.to(dev))
 
 
-def contract_exp(x: np.ndarray) -> np.ndarray:
-    """The compiled contract exp on a binary32 array (tests compare it with transcendentals.contract_exp)."""
-    return extension().contract_exp(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
+def contract_ex2(x: np.ndarray) -> np.ndarray:
+    """The compiled contract exp2 on a binary32 array (tests compare it with transcendentals.contract_ex2)."""
+    return extension().contract_ex2(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
 
 
 def contract_log(x: np.ndarray) -> np.ndarray:

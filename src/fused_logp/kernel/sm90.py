@@ -1,4 +1,4 @@
-"""The SM90 backend: the fused wgmma + TMA kernel of contract v1 (kernel/csrc), built on first use.
+"""The SM90 backend: the fused wgmma + TMA kernel of the contract (kernel/csrc), built on first use.
 
 The extension is compiled with torch.utils.cpp_extension.load for `-gencode=arch=compute_90a,code=sm_90a`
 into the node's extension cache (kernel/extension_build.py; `fused-logp build` fills it ahead of time, a process
@@ -16,6 +16,7 @@ import torch
 
 from ..shared_contract import constants as C
 from .backends import CORE_ENTRIES, SERVING_ENTRIES, Forward, HeadStats, Merged, TileStats
+from .contract_header import defines
 from .extension_build import build_checked
 from .sm90_aux import SM90Aux, SM90TestHooks
 
@@ -53,9 +54,35 @@ _ext_error: str | None = None
 
 
 def expected_constants() -> list[int]:
-    """The constants compiled into the extension, in its order, from shared_contract/constants.py."""
-    return [C.VOCAB_TILE, C.K_GROUP, C.EXP_LOG2E, C.EXP_SHIFTER, C.EXP_LN2_HI, C.EXP_LN2_LO, *C.EXP_POLY,
-            C.EXP_X_MAX, C.EXP_X_MIN, C.LOG_SQRT_HALF_BITS, C.LOG_LN2_HI, C.LOG_LN2_LO, *C.LOG_POLY]
+    """The constants compiled into the extension (kernel/csrc/contract_constants.h), in its order, from
+    shared_contract/constants.py."""
+    return [v for _, v in defines()]
+
+
+_ex2_checks: dict = {}         # device index -> (ok, the check's one-line record)
+
+
+def ex2_check(device) -> tuple[bool, str]:
+    """The exp2 self-test of `device`, once per process (CONTRACT.md section 6): its ex2.approx.ftz.f32 against the
+    shipped table's model over every binary32 x <= 0 and every x in [+0, 2^-23). -> (ok, record)."""
+    idx = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    hit = _ex2_checks.get(idx)
+    if hit is not None:
+        return hit
+    import numpy as np
+    from ..shared_contract.ex2_table import table_bits
+    name = torch.cuda.get_device_name(idx)
+    table = torch.from_numpy(np.array(table_bits()).view(np.int32)).to(f"cuda:{idx}")
+    counts = [int(v) for v in _ext.ex2_selftest(table).cpu()]
+    checked, differ = counts[0], counts[1]
+    if differ == 0:
+        out = (True, f"ex2_selftest on {name} (cuda:{idx}): {checked} arguments, 0 differ from {C.EX2_ID}")
+    else:
+        out = (False, f"{name} (cuda:{idx}) computes ex2.approx.ftz.f32 differently from {C.EX2_ID}: {differ} of "
+                      f"{checked} arguments differ (first: x bits 0x{counts[2] & 0xFFFFFFFF:08X} gave 0x"
+                      f"{counts[3] & 0xFFFFFFFF:08X}); this GPU cannot compute {C.CONTRACT_VERSION} bytes")
+    _ex2_checks[idx] = out
+    return out
 
 
 def _build():
@@ -84,7 +111,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class SM90Backend:
-    """Contract v1 on Hopper (compute capability 9.0): one fused GEMM + tile-statistics kernel and a row merge."""
+    """The contract on Hopper (compute capability 9.0): one fused GEMM + tile-statistics kernel and a row merge."""
 
     name = "sm90"
     contract_bearing = True
@@ -133,14 +160,18 @@ class SM90Backend:
         _build()
         if _ext is None:
             return False, _ext_error or "the sm90 extension is not built"
-        return True, f"sm90 extension built for sm_90a ({torch.cuda.get_device_name(device)})"
+        ok, record = ex2_check(device)
+        if not ok:
+            return False, record
+        return True, f"sm90 extension built for sm_90a ({torch.cuda.get_device_name(device)}); {record}"
 
     def describe(self) -> dict:
         cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         return {"arch": "sm_90a", "compute_capability": f"{cap[0]}.{cap[1]}" if cap else "none",
                 "toolkit": f"torch {torch.__version__} cuda {torch.version.cuda}",
                 "build": "torch.utils.cpp_extension " + " ".join(CUDA_FLAGS),
-                "launch": self.launch}
+                "launch": self.launch,
+                "ex2_check": next(iter(r for _, r in _ex2_checks.values()), "not run")}
 
     def _module(self):
         if _ext is not None:                 # built and checked once (available() said yes before any entry ran)
@@ -231,6 +262,4 @@ class SM90Backend:
     topp_crossing = property(lambda self: self.aux.topp_crossing)
     backward_dz = property(lambda self: self.aux.backward_dz)
     fingerprint_rows = property(lambda self: self.aux.fingerprint_rows)
-    device_explog = property(lambda self: self.hooks.device_explog)
-    device_exp_fast = property(lambda self: self.hooks.device_exp_fast)
-    device_div_rowrcp = property(lambda self: self.hooks.device_div_rowrcp)
+    device_ex2log = property(lambda self: self.hooks.device_ex2log)

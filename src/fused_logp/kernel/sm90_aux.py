@@ -60,17 +60,7 @@ class SM90TestHooks:
     def __init__(self, backend):
         self._backend = backend
 
-    def device_explog(self, x):
-        """(contract_exp(x), contract_log(x), contract_exp_nonpos(x)) from the device functions of
-        contract_math.cuh; the last is meaningful for finite x <= 0 only."""
-        return tuple(self._backend._module().explog(x.contiguous()))
-
-    def device_exp_fast(self, x):
-        """contract_exp_fast(x) from contract_math.cuh: the tile epilogue's exp where every lane of a warp lies in
-        [FAST_EXP_MIN, 0] = [-87, 0]; meaningful there only."""
-        return self._backend._module().exp_fast(x.contiguous())
-
-    def device_div_rowrcp(self, z, t):
-        """(div_rn_rowrcp(z, t, RN(1 / t)), __fdiv_rn(z, t)) elementwise from stats_epilogue.cuh: the epilogue's
-        division from a row's reciprocal, unguarded, and the IEEE quotient."""
-        return tuple(self._backend._module().div_rowrcp(z.contiguous(), t.contiguous()))
+    def device_ex2log(self, x):
+        """(contract_ex2(x), contract_log(x)) from the device functions of contract_math.cuh; the exp2 is meaningful
+        for x <= 0 (its domain) only."""
+        return tuple(self._backend._module().ex2log(x.contiguous()))

@@ -1,15 +1,19 @@
-"""The contract's exp and log on the CPU (numpy binary32), bit-identical to kernel/csrc/contract_math.cuh.
+"""The contract's exp2 and log on the CPU (numpy binary32), bit-identical to kernel/csrc/contract_math.cuh.
 
-Only binary32 add, subtract and multiply (each rounded to nearest even, no fused multiply-add) and exact bit
-manipulation are used, so any IEEE-754 machine computes the same bits. numpy's float32 ufuncs are exactly
-that: one correctly rounded operation each, no contraction. CUDA's expf/logf are not correctly rounded and
-may change between toolkits; glibc's differ from CUDA's: neither can be the contract's.
+exp2 (CONTRACT.md section 6): SM90's `ex2.approx.ftz.f32`, reproduced exactly by its model for every binary32
+x <= 0 (the only arguments the contract takes): k = floor(-x), j = floor(|x + k| * 2^23), ex2(x) = T[j] * 2^-k,
+flushed to +0 below 2^-126, with T the table of shared_contract/ex2_table.py. Every step is exact integer or
+float64 work, so any machine computes the same bits.
+
+log: binary32 add, subtract and multiply (each rounded to nearest even, no fused multiply-add) and exact bit
+manipulation only. numpy's float32 ufuncs are exactly that: one correctly rounded operation each, no contraction.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..shared_contract import constants as C
+from ..shared_contract.ex2_table import table_bits, table_f32
 
 _f32 = np.float32
 
@@ -19,48 +23,46 @@ def _bits_to_f32(bits: int) -> np.float32:
 
 
 LOG2E = _bits_to_f32(C.EXP_LOG2E)
-SHIFTER = _bits_to_f32(C.EXP_SHIFTER)
-LN2_HI = _bits_to_f32(C.EXP_LN2_HI)
-LN2_LO = _bits_to_f32(C.EXP_LN2_LO)
-EXP_POLY = tuple(_bits_to_f32(b) for b in C.EXP_POLY)
-EXP_X_MAX = _bits_to_f32(C.EXP_X_MAX)
-EXP_X_MIN = _bits_to_f32(C.EXP_X_MIN)
+LN2_HI = _bits_to_f32(C.LOG_LN2_HI)
+LN2_LO = _bits_to_f32(C.LOG_LN2_LO)
 LOG_POLY = tuple(_bits_to_f32(b) for b in C.LOG_POLY)
 ONE = _f32(1.0)
+_SCALE = float(1 << C.EX2_TABLE_FRAC_BITS)
+# Positive arguments below 2^-23 truncate to T[0] = 1 (measured like the rest); larger ones are outside the domain.
+_POS_LIMIT = 2.0 ** -C.EX2_TABLE_FRAC_BITS
+# 2^-k for k beyond this is below the flush threshold for every table entry (T[j] <= 1).
+_K_CAP = 160
 
 
-def _pow2(n: np.ndarray) -> np.ndarray:
-    """2^n as binary32 for integer n in [-126, 127] (exact bit construction)."""
-    return ((n.astype(np.int32) + 127) << 23).astype(np.uint32).view(np.float32)
+class Ex2DomainError(ValueError):
+    """An exp2 argument > 0 beyond the measured domain: the contract never forms one (an internal error)."""
 
 
-def contract_exp(x) -> np.ndarray:
-    """exp(x) of contract v1 for binary32 x (any shape). exp(0) = 1 exactly; exp(-inf) = 0."""
+def contract_ex2(x) -> np.ndarray:
+    """exp2(x) of contract v2 for binary32 x <= 0 (any shape): SM90's ex2.approx.ftz.f32 bit for bit.
+    ex2(+-0) = 1, ex2(-inf) = +0, ex2(NaN) = NaN, a subnormal x gives 1."""
     x = np.asarray(x, dtype=np.float32)
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        xc = np.clip(x, EXP_X_MIN, EXP_X_MAX)            # keep n in range; the ends are fixed below
-        k = (xc * LOG2E + SHIFTER) - SHIFTER               # round-to-nearest-even(x*log2e), as binary32
-        r = (xc - k * LN2_HI) - k * LN2_LO
-        c2, c3, c4, c5, c6, c7 = EXP_POLY
-        p = c6 + r * c7
-        p = c5 + r * p
-        p = c4 + r * p
-        p = c3 + r * p
-        p = c2 + r * p
-        p = ONE + r * p
-        p = ONE + r * p
-        n = k.astype(np.int32)
-        n1 = n >> 1                                         # floor(n/2): both halves are normal powers of two
-        n2 = n - n1
-        y = (p * _pow2(n1)) * _pow2(n2)                     # the first product is exact, the second rounds once
-        y = np.where(x > EXP_X_MAX, np.float32(np.inf), y)
-        y = np.where(x < EXP_X_MIN, np.float32(0.0), y)
-        y = np.where(np.isnan(x), x, y)
+    with np.errstate(invalid="ignore"):
+        xd = x.astype(np.float64)
+        if bool((xd >= _POS_LIMIT).any()):
+            raise Ex2DomainError(f"contract_ex2: argument {float(xd[xd >= _POS_LIMIT].flat[0])!r} > 0 is outside "
+                                 "the contract's exp2 domain (x <= 0)")
+        fin = np.isfinite(xd)
+        a = np.where(fin & (xd < 0), -xd, 0.0)             # |x|; subnormals, +-0 and tiny positives give j = 0
+        a = np.where(a < 2.0 ** -126, 0.0, a)               # ftz: a subnormal argument is 0
+        k = np.minimum(np.floor(a), _K_CAP)
+        j = np.floor((a - k) * _SCALE).astype(np.int64)     # exact: a - k in [0, 1), a multiple of ulp(a)
+        j = np.where(a >= _K_CAP, 0, j)
+        v = np.ldexp(table_f32()[j].astype(np.float64), -k.astype(np.int64))
+        v = np.where(v < C.EX2_FLUSH_BELOW, 0.0, v)
+        v = np.where(np.isneginf(xd), 0.0, v)
+        y = v.astype(np.float32)
+        y = np.where(np.isnan(xd), x, y)
     return y.astype(np.float32)
 
 
 def contract_log(x) -> np.ndarray:
-    """log(x) of contract v1 for binary32 x (any shape). log(1) = 0 exactly; log(0) = -inf; log(x<0) = NaN."""
+    """log(x) of the contract (unchanged since v1) for binary32 x (any shape). log(1) = 0 exactly; log(0) = -inf; log(x<0) = NaN."""
     x = np.asarray(x, dtype=np.float32)
     with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
         sub = (x > 0) & (x < np.float32(1.1754944e-38))
@@ -99,11 +101,10 @@ def _f(b) -> float:
     return float(b)
 
 
-_T_LOG2E, _T_SHIFTER, _T_LN2_HI, _T_LN2_LO = _f(LOG2E), _f(SHIFTER), _f(LN2_HI), _f(LN2_LO)
-_T_EXP_POLY = tuple(_f(c) for c in EXP_POLY)
-_T_EXP_X_MAX, _T_EXP_X_MIN = _f(EXP_X_MAX), _f(EXP_X_MIN)
+_T_LN2_HI, _T_LN2_LO = _f(LN2_HI), _f(LN2_LO)
 _T_LOG_POLY = tuple(_f(c) for c in LOG_POLY)
 _T_FLT_MIN = 2.0 ** -126                                  # np.float32(1.1754944e-38): the smallest normal
+_device_tables: dict = {}
 
 
 def _torch():
@@ -111,41 +112,36 @@ def _torch():
     return torch
 
 
-def _pow2_torch(n):
-    """2^n as binary32 for an int32 tensor n in [-126, 127]; consumes n (exact bit construction)."""
-    return n.add_(127).bitwise_left_shift_(23).view(_torch().float32)
+def _table_on(device):
+    """The exp2 table as a float32 tensor on `device` (cached per device)."""
+    torch = _torch()
+    key = str(device)
+    t = _device_tables.get(key)
+    if t is None:
+        t = torch.from_numpy(np.array(table_f32())).to(device)
+        _device_tables[key] = t
+    return t
 
 
-def contract_exp_torch(x):
-    """contract_exp on a float32 torch tensor (any device, any shape): the numpy function's bits."""
+def contract_ex2_torch(x):
+    """contract_ex2 on a float32 torch tensor (any device, any shape): the numpy function's bits."""
     torch = _torch()
     if x.dtype != torch.float32:
-        raise TypeError(f"contract_exp_torch needs float32; got {x.dtype}")
-    r = x.clamp(_T_EXP_X_MIN, _T_EXP_X_MAX)             # xc (NaN stays NaN); r's buffer from here on
-    k = r * _T_LOG2E
-    k.add_(_T_SHIFTER)
-    k.sub_(_T_SHIFTER)                                  # round-to-nearest-even(xc*log2e), as binary32
-    t = k * _T_LN2_HI
-    r.sub_(t)                                           # xc - k*LN2_HI
-    torch.mul(k, _T_LN2_LO, out=t)
-    r.sub_(t)                                           # (xc - k*LN2_HI) - k*LN2_LO
-    c2, c3, c4, c5, c6, c7 = _T_EXP_POLY
-    p = torch.mul(r, c7, out=t)
-    p.add_(c6)
-    for c in (c5, c4, c3, c2, 1.0, 1.0):                # p = c + r*p: the product, then the sum
-        p.mul_(r)
-        p.add_(c)
-    del r
-    n1 = k.to(torch.int32)                              # k is an integer in [-150, 128] (garbage for NaN: fixed below)
-    del k
-    n2 = n1.clone()
-    n1.bitwise_right_shift_(1)                          # floor(n/2)
-    n2.sub_(n1)                                         # n - floor(n/2)
-    p.mul_(_pow2_torch(n1))                             # exact
-    p.mul_(_pow2_torch(n2))                             # rounds once
-    p.masked_fill_(x > _T_EXP_X_MAX, float("inf"))
-    p.masked_fill_(x < _T_EXP_X_MIN, 0.0)
-    return torch.where(torch.isnan(x), x, p)
+        raise TypeError(f"contract_ex2_torch needs float32; got {x.dtype}")
+    xd = x.to(torch.float64)
+    if bool((xd >= _POS_LIMIT).any()):
+        raise Ex2DomainError("contract_ex2_torch: an argument > 0 is outside the contract's exp2 domain (x <= 0)")
+    fin = torch.isfinite(xd)
+    a = torch.where(fin & (xd < 0), -xd, torch.zeros((), dtype=torch.float64, device=x.device))
+    a = torch.where(a < 2.0 ** -126, torch.zeros((), dtype=torch.float64, device=x.device), a)
+    k = torch.floor(a).clamp_(max=_K_CAP)
+    j = torch.floor((a - k) * _SCALE).to(torch.int64)
+    j.masked_fill_(a >= _K_CAP, 0)
+    v = torch.ldexp(_table_on(x.device)[j].to(torch.float64), -k)
+    v.masked_fill_(v < C.EX2_FLUSH_BELOW, 0.0)
+    v.masked_fill_(torch.isneginf(xd), 0.0)
+    y = v.to(torch.float32)
+    return torch.where(torch.isnan(x), x, y)
 
 
 def contract_log_torch(x):

@@ -3,8 +3,8 @@ optional, replayed identically by the rollout and the trainer (CONTRACT.md secti
 
 Every decision is made in contract arithmetic on the scaled logits z' = z / T of the real vocabulary:
   top-k   keep the k largest z', ties broken by the lower token id;
-  top-p   order the kept tokens by (z' descending, id ascending); q_v = exp(z'_v - lse_K) with lse_K the
-          contract lse over the kept set K; accumulate c = add(c, q_v) in that order; keep the shortest prefix
+  top-p   order the kept tokens by (z' descending, id ascending); q_v = ex2((z'_v - lse_K) * LOG2E) with lse_K
+          the contract lse over the kept set K (sections 4-5 on the unscaled z and T); accumulate c = add(c, q_v) in that order; keep the shortest prefix
           whose c >= p (all of K if rounding never reaches p);
   min-p   keep z'_v - m >= log(min_p), m the largest kept z', with the contract's log.
 The program's logp is z'_target - lse_kept: the contract's tile tree and row merge with every non-kept lane
@@ -36,7 +36,7 @@ import torch
 from ..shared_contract.constants import TRANSFORM_PROGRAM_VERSION, VOCAB_TILE
 from ..shared_contract.errors import ContractInputError
 from .oracle import row_lse, selected_logp, tile_stats
-from .transcendentals import contract_exp, contract_exp_torch, contract_log
+from .transcendentals import LOG2E, contract_ex2, contract_ex2_torch, contract_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +72,19 @@ class TransformProgram:
                 and (self.min_p is None or self.min_p <= 0.0))
 
 
-def _lse_over(zs: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    ones = np.ones(zs.shape[0], dtype=np.float32)
-    tmax, tsum, _ = tile_stats(zs, ones, zs.shape[1], keep=keep)
+def _lse_over(z: np.ndarray, t: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    tmax, tsum, _ = tile_stats(z, t, z.shape[1], keep=keep)
     return row_lse(tmax, tsum)
 
 
-def kept_set(zs: np.ndarray, program: TransformProgram) -> np.ndarray:
-    """zs [N, V] fp32 scaled logits -> keep [N, V] bool (sections 13.2-13.4)."""
+def _scaled(z: np.ndarray, temperature) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (z / np.float32(temperature)).astype(np.float32)
+
+
+def kept_set(z: np.ndarray, program: TransformProgram) -> np.ndarray:
+    """z [N, V] fp32 unscaled logits -> keep [N, V] bool (sections 13.2-13.4; decisions on z' = div(z, T))."""
+    zs = _scaled(z, program.temperature)
     n, v = zs.shape
     keep = np.ones((n, v), dtype=bool)
     order = np.argsort(-zs, axis=1, kind="stable")                         # z' descending, id ascending
@@ -87,10 +92,11 @@ def kept_set(zs: np.ndarray, program: TransformProgram) -> np.ndarray:
     if program.top_k is not None and program.top_k < v:
         keep[rows, order[:, program.top_k:]] = False
     if program.top_p is not None and program.top_p < 1.0:
-        lse_k = _lse_over(zs, keep)
+        lse_k = _lse_over(z, np.full(n, np.float32(program.temperature), dtype=np.float32), keep)
         with np.errstate(invalid="ignore", over="ignore"):
-            q = contract_exp((zs - lse_k[:, None]).astype(np.float32))
-        q = np.where(keep, q, np.float32(0.0))[rows, order]                # in (z' desc, id asc) order
+            arg = ((zs - lse_k[:, None]).astype(np.float32) * LOG2E).astype(np.float32)
+            q = contract_ex2(np.where(keep, arg, np.float32(-np.inf)))
+        q = q[rows, order]                # in (z' desc, id asc) order
         c = np.cumsum(q, axis=1, dtype=np.float32)                         # one binary32 add per step, in order
         reach = c >= np.float32(program.top_p)
         first = np.where(reach.any(axis=1), reach.argmax(axis=1), v - 1)
@@ -115,12 +121,10 @@ def _program_numpy(logits, tg, program, v, rows_per_chunk, keep_out=None):
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(n, r0 + rows_per_chunk)
         z = logits[r0:r1, :v].detach().cpu().numpy().astype(np.float32)
-        with np.errstate(invalid="ignore", over="ignore"):
-            zs = (z / t32).astype(np.float32)
-        keep = kept_set(zs, program)
+        keep = kept_set(z, program)
         if keep_out is not None:
             keep_out[r0:r1] = keep
-        tmax, tsum, _ = tile_stats(zs, np.ones(r1 - r0, dtype=np.float32), v, keep=keep)
+        tmax, tsum, zs = tile_stats(z, np.full(r1 - r0, t32, dtype=np.float32), v, keep=keep)
         rows = np.arange(r1 - r0) if tg.ndim == 1 else np.arange(r1 - r0)[:, None]
         lse[r0:r1] = row_lse(tmax, tsum)
         logp[r0:r1] = selected_logp(zs[rows, tg[r0:r1]], lse[r0:r1])
@@ -130,9 +134,7 @@ def _program_numpy(logits, tg, program, v, rows_per_chunk, keep_out=None):
 
 def _kept_mask_numpy(logits, program, v):
     z = logits[:, :v].detach().cpu().numpy().astype(np.float32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        zs = (z / np.float32(program.temperature)).astype(np.float32)
-    return kept_set(zs, program)
+    return kept_set(z, program)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -229,22 +231,27 @@ def _ordered_ids(d: torch.Tensor, count: int, sel: torch.Tensor | None = None) -
     return ids.gather(1, torch.sort(d.gather(1, ids), dim=1, stable=True).indices)
 
 
-def _tile_stats_dense(z3: torch.Tensor, k3: torch.Tensor):
-    """Section 4 over tiles [R, T, 64] with kept mask k3 (non-kept lanes exactly like padding)."""
+def _tile_stats_dense(z3: torch.Tensor, k3: torch.Tensor, t_vec: torch.Tensor):
+    """Section 4 over tiles [R, T, 64] of unscaled logits with kept mask k3 (non-kept lanes exactly like padding)
+    and the rows' temperatures t_vec [R]: (div(M_t, T), s_t)."""
     tiles = torch.where(k3, z3, float("-inf"))
-    tmax = tiles.amax(dim=-1)
+    raw_max = tiles.amax(dim=-1)
     bad = (k3 & ~torch.isfinite(z3)).any(dim=-1)
-    tmax = torch.where(bad, float("nan"), tmax)
-    x = tiles.sub_(tmax[..., None])
-    lanes = torch.where(k3, contract_exp_torch(x), 0.0)
+    raw_max = torch.where(bad, float("nan"), raw_max)
+    c = torch.full_like(t_vec, float(LOG2E)).div_(t_vec)         # div(LOG2E, T), one rounding
+    x = tiles.sub_(raw_max[..., None]).mul_(c[:, None, None])     # mul(sub(z, M_t), c)
+    x.masked_fill_(~k3, float("-inf"))
+    lanes = contract_ex2_torch(x)
     del x, tiles
     while lanes.shape[-1] > 1:                                    # adjacent-pairwise tree, 6 levels
         lanes = lanes[..., 0::2] + lanes[..., 1::2]
-    return tmax, lanes[..., 0]
+    tsum = torch.where(bad, float("nan"), lanes[..., 0])
+    return raw_max.div_(t_vec[:, None]), tsum
 
 
-def _tile_stats_torch(zs: torch.Tensor, keep: torch.Tensor | None):
-    """(tile_max, tile_sum) [R, nt] of the global tiles over the kept set (None: every real lane)."""
+def _tile_stats_torch(zs: torch.Tensor, keep: torch.Tensor | None, t_vec: torch.Tensor):
+    """(tile_max, tile_sum) [R, nt] of the global tiles of unscaled logits zs over the kept set (None: every real
+    lane), at the rows' temperatures t_vec [R]."""
     r, v = zs.shape
     nt = -(-v // _TILE)
     pad = nt * _TILE - v
@@ -264,9 +271,9 @@ def _tile_stats_torch(zs: torch.Tensor, keep: torch.Tensor | None):
                 return tmax, tsum
             idx = torch.topk(busy.to(torch.int32), cnt, dim=1).indices    # all busy tiles (+ idle ones)
             g = idx[..., None].expand(r, cnt, _TILE)
-            tm, ts = _tile_stats_dense(z3.gather(1, g), k3.gather(1, g))
+            tm, ts = _tile_stats_dense(z3.gather(1, g), k3.gather(1, g), t_vec)
             return tmax.scatter_(1, idx, tm), tsum.scatter_(1, idx, ts)
-    return _tile_stats_dense(z3, k3)
+    return _tile_stats_dense(z3, k3, t_vec)
 
 
 def _row_lse_torch(tmax: torch.Tensor, tsum: torch.Tensor, be) -> torch.Tensor:
@@ -276,14 +283,14 @@ def _row_lse_torch(tmax: torch.Tensor, tsum: torch.Tensor, be) -> torch.Tensor:
     return torch.from_numpy(row_lse(tmax.cpu().numpy(), tsum.cpu().numpy())).to(tmax.device)
 
 
-def _lse_torch(zs, keep, be, z=None, t_vec=None) -> torch.Tensor:
-    """lse [R] over the kept set (None: the whole row; with a device backend, its stats-from-logits entry over
-    the unscaled z and temperature, the same bytes in one pass)."""
-    if keep is None and be is not None and z is not None:
+def _lse_torch(keep, be, z, t_vec) -> torch.Tensor:
+    """lse [R] over the kept set (None: the whole row; with a device backend, its stats-from-logits entry), from
+    the unscaled z and the temperatures t_vec."""
+    if keep is None and be is not None:
         r, v = z.shape
         tmax, tsum, _ = be.tile_stats_from_logits(z, torch.zeros(r, dtype=torch.int64, device=z.device), t_vec, v)
     else:
-        tmax, tsum = _tile_stats_torch(zs, keep)
+        tmax, tsum = _tile_stats_torch(z, keep, t_vec)
     return _row_lse_torch(tmax, tsum, be)
 
 
@@ -301,7 +308,7 @@ def _top_p_torch(zs, z, t_vec, d, keep, n_kept, p32, be):
     """Section 13.3 on the kept set `keep` (None: every token; else the top-k set, the first n_kept tokens in
     key order). Returns the new kept set [R, V] bool."""
     r, v = zs.shape
-    lse_k = _lse_torch(zs, keep, be, z, t_vec)
+    lse_k = _lse_torch(keep, be, z, t_vec)
     out = keep.clone() if keep is not None else torch.ones(r, v, dtype=torch.bool, device=zs.device)
     pending = (~torch.isnan(lse_k)).nonzero()[:, 0]              # a NaN lse_K never reaches p: K stays
     lengths = [min(n_kept, _TOPP_PREFIX)] + ([n_kept] if n_kept > _TOPP_PREFIX else [])
@@ -316,8 +323,10 @@ def _top_p_torch(zs, z, t_vec, d, keep, n_kept, p32, be):
         kp = pick(keep) if keep is not None else None
         ids = _ordered_ids(dk, length, kp if (kp is not None and length == n_kept) else None)
         x = pick(zs).gather(1, ids)
-        x.sub_(pick(lse_k)[:, None])                              # z'_v - lse_K
-        q = contract_exp_torch(x)
+        x.sub_(pick(lse_k)[:, None]).mul_(float(LOG2E))           # mul(sub(z'_v, lse_K), LOG2E)
+        if kp is not None:
+            x.masked_fill_(~kp.gather(1, ids), float("-inf"))
+        q = contract_ex2_torch(x)
         if kp is not None:
             q = torch.where(kp.gather(1, ids), q, 0.0)            # non-kept contribute +0
         first = _crossing(q, p32, be)
@@ -352,7 +361,7 @@ def _program_chunk_torch(z: torch.Tensor, program: TransformProgram, be, want_ls
         thr = float(contract_log(np.float32(program.min_p)))
         ok = (zs - m) >= thr
         keep = ok if keep is None else keep & ok
-    lse = _lse_torch(zs, keep, be, z, t_vec) if want_lse else None
+    lse = _lse_torch(keep, be, z, t_vec) if want_lse else None
     if keep is None:
         keep = torch.ones(r, v, dtype=torch.bool, device=z.device)
     return zs, keep, lse

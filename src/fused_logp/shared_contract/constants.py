@@ -1,4 +1,4 @@
-"""Every bit-relevant constant of contract v1, in one place.
+"""Every bit-relevant constant of contract v2, in one place.
 
 Changing any value here changes result bytes, so it requires a new contract version (and new golden
 fingerprints). Nothing may override these at run time: `check_no_overrides` refuses environment variables
@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from types import MappingProxyType
 
-CONTRACT_VERSION = "cuda-fused-linear-logp-sm90-contract-v1"
+CONTRACT_VERSION = "cuda-fused-linear-logp-sm90-contract-v2"
+# The contract versions this one replaces: a result stamped with one of them is refused, naming both versions.
+RETIRED_CONTRACT_VERSIONS = ("cuda-fused-linear-logp-sm90-contract-v1",)
 
 # Global vocabulary tile width: tile t holds real vocabulary ids [64t, 64t+64).
 VOCAB_TILE = 64
@@ -21,8 +23,9 @@ K_SLAB = 32
 TREE_ID = "adjacent-pairwise-64"
 # The row merge: order-free max, then a sequential chain over tiles in ascending global order.
 MERGE_ID = "max-then-ascending-chain"
-# The exp/log of the contract: binary32 add/sub/mul and exact bit manipulation only (see transcendentals).
-TRANSCENDENTAL_ID = "contract-explog-v1"
+# The transcendentals: SM90's ex2.approx.ftz.f32 as the exp2 (an exact model: a table of 2^23 + 1 entries and an
+# exact scale, CONTRACT.md section 6) and the contract's own log (binary32 add/sub/mul, exact bit manipulation).
+TRANSCENDENTAL_ID = "sm90-ex2-approx-ftz-table-v1+contract-log-v1"
 # The GEMM accumulation rule (Hopper bf16 tensor core, CONTRACT.md section 2).
 GEMM_RULE_ID = "hopper-bf16-k16-trunc25-v1"
 # n_split is a function of V only: the merge always runs over ceil(V_real / 64) tiles.
@@ -39,31 +42,29 @@ GEMM_NAN_BITS = 0x7FFFFFFF
 # Weight fingerprint construction id (a change detector, not a cryptographic commitment).
 FINGERPRINT_ID = "rowhash-sum-mod2^64x2-v1"
 # The sampling-transform program (temperature -> top-k -> top-p -> min-p), versioned like the contract.
-TRANSFORM_PROGRAM_VERSION = "transform-program-v1"
+TRANSFORM_PROGRAM_VERSION = "transform-program-v2"
 
-# --- the contract's exp (x <= 0 domain used by the contract; defined for all binary32) ---------------------
-# n = round-to-nearest-even(x * LOG2E) via the 1.5*2^23 shifter; r = (x - n*LN2_HI) - n*LN2_LO;
-# p(r) = 1 + r*(1 + r*(C2 + r*(C3 + r*(C4 + r*(C5 + r*(C6 + r*C7)))))); result = p * 2^n (two exact steps).
-EXP_LOG2E = 0x3FB8AA3B            # 1.44269502 (binary32 bits)
-EXP_SHIFTER = 0x4B400000          # 12582912.0 = 1.5 * 2^23
-EXP_LN2_HI = 0x3F317200           # 0.693145752 (16 significant bits: n*LN2_HI is exact for |n| < 256)
-EXP_LN2_LO = 0x35BFBE8E           # 1.42860677e-06 (LN2 - LN2_HI rounded)
-EXP_POLY = (                      # C2..C7 as binary32 bits (Taylor coefficients 1/k!, rounded)
-    0x3F000000,                   # 1/2
-    0x3E2AAAAB,                   # 1/6
-    0x3D2AAAAB,                   # 1/24
-    0x3C088889,                   # 1/120
-    0x3AB60B61,                   # 1/720
-    0x39500D01,                   # 1/5040
-)
-EXP_X_MAX = 0x42B17217            # 88.7228394: above, +inf
-EXP_X_MIN = 0xC2CFF1B5            # -103.972076: below, +0
+# --- the temperature and the exp2 (CONTRACT.md sections 3 and 6) -------------------------------------------
+# Accepted temperatures as binary32: [2^-20, 2^20]. Per row c = div(LOG2E, T); the exp2 argument of a logit z in a
+# tile of raw maximum M is mul(sub(z, M), c), always <= 0.
+TEMPERATURE_MIN = 2.0 ** -20
+TEMPERATURE_MAX = 2.0 ** 20
+EXP_LOG2E = 0x3FB8AA3B            # 1.44269502 (binary32 bits): log2(e) rounded
+# ex2(x) for x <= 0: k = floor(-x), j = floor(|x + k| * 2^23), ex2(x) = EX2_TABLE[j] * 2^-k, +0 below 2^-126;
+# a subnormal x is 0 (ex2 = 1), ex2(-inf) = +0, NaN stays NaN. EX2_TABLE[j] = ex2(-j * 2^-23) as measured on SM90
+# (tools/ex2_table.py), shipped compressed beside this module; the sha256 is of the 2^23 + 1 little-endian uint32s.
+EX2_ID = "sm90-ex2.approx.ftz.f32-v1"
+EX2_TABLE_FILE = "ex2_sm90.bin.xz"
+EX2_TABLE_ENTRIES = (1 << 23) + 1
+EX2_TABLE_FRAC_BITS = 23
+EX2_TABLE_SHA256 = "e1751ad2a8f73e05cc12f8f29cc7a984aa6f879435613d4cb3d04ce2b84d58cc"
+EX2_FLUSH_BELOW = 2.0 ** -126     # results below are +0 (ftz)
 
 # --- the contract's log (x > 0) ---------------------------------------------------------------------------
 # x = 2^e * m with m in [sqrt(1/2), sqrt(2)); f = m - 1 (exact); log x = e*LN2_HI + (f + (f*f*q(f) + e*LN2_LO))
 LOG_SQRT_HALF_BITS = 0x3F3504F3   # the mantissa split point sqrt(1/2)
-LOG_LN2_HI = EXP_LN2_HI
-LOG_LN2_LO = EXP_LN2_LO
+LOG_LN2_HI = 0x3F317200          # 0.693145752 (16 significant bits)
+LOG_LN2_LO = 0x35BFBE8E          # 1.42860677e-06 (LN2 - LN2_HI rounded)
 LOG_POLY = (                      # q(f) ~ (log1p(f) - f) / f^2, degree 9, binary32 bits, constant term first
     0xBF000000,                   # -0.5
     0x3EAAAAA3,                   # 0.3333331048
@@ -93,6 +94,11 @@ _ALL = {
     "GEMM_NAN_BITS": GEMM_NAN_BITS,
     "FINGERPRINT_ID": FINGERPRINT_ID,
     "TRANSFORM_PROGRAM_VERSION": TRANSFORM_PROGRAM_VERSION,
+    "TEMPERATURE_MIN": TEMPERATURE_MIN,
+    "TEMPERATURE_MAX": TEMPERATURE_MAX,
+    "EXP_LOG2E": EXP_LOG2E,
+    "EX2_ID": EX2_ID,
+    "EX2_TABLE_SHA256": EX2_TABLE_SHA256,
 }
 CONSTANTS = MappingProxyType(_ALL)
 

@@ -1,8 +1,9 @@
-// Contract v1 on the CPU, compiled: the Hopper k16 GEMM rule in integer arithmetic and the contract's
+// The contract on the CPU, compiled: the Hopper k16 GEMM rule in integer arithmetic and the contract's
 // statistics in binary32, with exactly the bytes of kernel/oracle.py (the numpy reference).
 //
-// Every contract constant arrives as a -D definition generated from shared_contract/constants.py by
-// kernel/oracle_fast.py; contract_constants() returns them so the loader can check what was compiled in.
+// Every contract constant comes from ../csrc/contract_constants.h, generated from shared_contract/constants.py
+// (kernel/contract_header.py) and shared with the CUDA build; contract_constants() returns them so the loader can
+// check what was compiled in.
 //
 // Build flags that matter for the bytes: -ffp-contract=off (no fused multiply-add anywhere) and no fast-math:
 // every float expression below is one IEEE binary32 operation rounded to nearest even, vectorised or not.
@@ -20,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "../csrc/contract_constants.h"
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__BMI2__)
 #define FL_HAVE_AVX512 1
 #include <immintrin.h>
@@ -29,7 +32,7 @@
 
 #if !defined(FL_VOCAB_TILE) || !defined(FL_K_GROUP) || !defined(FL_ALIGN_FRAC_BITS) || !defined(FL_ACC_BITS) || \
     !defined(FL_ALIGN_EXP_FLOOR) || !defined(FL_GEMM_NAN_BITS)
-#error "contract constants must be given with -D (kernel/oracle_fast.py does)"
+#error "contract constants come from ../csrc/contract_constants.h"
 #endif
 static_assert(FL_VOCAB_TILE == 64, "the tile tree below is written for 64-lane tiles");
 static_assert(FL_K_GROUP == 16, "the GEMM kernel is written for k16 groups");
@@ -59,36 +62,45 @@ inline uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 // The contract's exp and log (CONTRACT.md section 6), one binary32 operation per step.
 // ---------------------------------------------------------------------------------------------------------
 
-const float LOG2E = u2f(FL_EXP_LOG2E), SHIFTER = u2f(FL_EXP_SHIFTER);
-const float LN2_HI = u2f(FL_EXP_LN2_HI), LN2_LO = u2f(FL_EXP_LN2_LO);
-const float EC2 = u2f(FL_EXP_C2), EC3 = u2f(FL_EXP_C3), EC4 = u2f(FL_EXP_C4), EC5 = u2f(FL_EXP_C5),
-            EC6 = u2f(FL_EXP_C6), EC7 = u2f(FL_EXP_C7);
-const float EXP_X_MAX = u2f(FL_EXP_X_MAX), EXP_X_MIN = u2f(FL_EXP_X_MIN);
+const float LOG2E = u2f(FL_EXP_LOG2E);
 const float LOG_LN2_HI = u2f(FL_LOG_LN2_HI), LOG_LN2_LO = u2f(FL_LOG_LN2_LO);
 const float LQ[10] = {u2f(FL_LOG_Q0), u2f(FL_LOG_Q1), u2f(FL_LOG_Q2), u2f(FL_LOG_Q3), u2f(FL_LOG_Q4),
                       u2f(FL_LOG_Q5), u2f(FL_LOG_Q6), u2f(FL_LOG_Q7), u2f(FL_LOG_Q8), u2f(FL_LOG_Q9)};
 const float F_INF = std::numeric_limits<float>::infinity();
 const float F_NAN = u2f(0x7FC00000u);
 
-inline float pow2i(int n) { return u2f(uint32_t(n + 127) << 23); }   // n in [-126, 127]: exact
+// The exp2 table T[j] = ex2.approx.ftz.f32(-j * 2^-23), j = 0 .. 2^23 (shared_contract/ex2_table.py), set once by
+// the loader (set_ex2_table) before any statistic is computed.
+constexpr int64_t EX2_ENTRIES = (int64_t(1) << FL_EX2_FRAC_BITS) + 1;
+torch::Tensor g_ex2_holder;
+const uint32_t* g_ex2 = nullptr;
 
-inline float contract_exp(float x) {
+void set_ex2_table(torch::Tensor bits) {
+  TORCH_CHECK(bits.device().is_cpu() && bits.scalar_type() == torch::kInt32 && bits.dim() == 1 &&
+                  bits.numel() == EX2_ENTRIES && bits.is_contiguous(),
+              "the exp2 table must be a contiguous CPU int32 tensor of ", EX2_ENTRIES, " bit patterns");
+  g_ex2_holder = bits.clone();
+  g_ex2 = reinterpret_cast<const uint32_t*>(g_ex2_holder.data_ptr<int32_t>());
+}
+
+// 2^-k times a table entry (an entry is in [1/2, 1]: exponent field 126 or 127) by exponent arithmetic: exact where
+// the result is normal, +0 (flush) where it would be below 2^-126.
+inline float ex2_scaled(uint32_t entry, int k) {
+  const int field = int(entry >> 23);
+  return field > k ? u2f(entry - (uint32_t(k) << 23)) : 0.0f;
+}
+
+// ex2(x) for x <= 0 (CONTRACT.md section 6): k = floor(-x), j = floor(|x + k| * 2^23), T[j] * 2^-k, +0 below 2^-126.
+// A subnormal x, +-0 and positive x below 2^-23 give T[0] = 1; -inf gives +0; NaN stays NaN. The contract never
+// forms a larger positive argument.
+inline float contract_ex2(float x) {
   if (x != x) return x;
-  if (x > EXP_X_MAX) return F_INF;
-  if (x < EXP_X_MIN) return 0.0f;
-  float k = (x * LOG2E + SHIFTER) - SHIFTER;          // round-to-nearest-even(x * log2e)
-  float r = (x - k * LN2_HI) - k * LN2_LO;
-  float p = EC6 + r * EC7;
-  p = EC5 + r * p;
-  p = EC4 + r * p;
-  p = EC3 + r * p;
-  p = EC2 + r * p;
-  p = 1.0f + r * p;
-  p = 1.0f + r * p;
-  int n = static_cast<int>(k);
-  int n1 = n >> 1;                                     // floor(n / 2)
-  int n2 = n - n1;
-  return (p * pow2i(n1)) * pow2i(n2);
+  const float a = x > 0.0f ? 0.0f : -x;
+  if (!(a < 160.0f)) return 0.0f;                       // every entry times 2^-160 flushes (and -inf)
+  const float k = std::floor(a);
+  const float frac = a - k;                             // exact: a multiple of ulp(a), below 1
+  const int j = int(frac * 8388608.0f);                 // exact scaling; truncation toward zero
+  return ex2_scaled(g_ex2[j], int(k));
 }
 
 inline float contract_log(float x) {
@@ -588,50 +600,44 @@ torch::Tensor hopper_logits(torch::Tensor hidden, torch::Tensor weight, int64_t 
 // Tile statistics (section 4) and the row merge (section 5)
 // ---------------------------------------------------------------------------------------------------------
 
-// One tile: real lanes zr[0..real) of unscaled logits, temperature tr -> (m_t, s_t). Scalar, the definition.
+// One tile: real lanes zr[0..real) of unscaled logits, temperature tr -> (m_t, s_t) (section 4): M = max z (NaN if a
+// real z is not finite), s_t = the tree over ex2((z - M) * c) with c = LOG2E / tr, m_t = M / tr. Scalar, the
+// definition.
 inline void tile_one_scalar(const float* zr, float tr, int real, float* m_out, float* s_out) {
   float lanes[TILE];
   bool nonfinite = false;
   float m = -F_INF;
   for (int j = 0; j < real; ++j) {
-    float x = zr[j] / tr;
-    lanes[j] = x;
+    const float x = zr[j];
     nonfinite |= !std::isfinite(x);
     m = x > m ? x : m;
   }
-  if (nonfinite) m = F_NAN;
-  for (int j = 0; j < real; ++j) lanes[j] = contract_exp(lanes[j] - m);
+  if (nonfinite) {
+    *m_out = F_NAN;
+    *s_out = F_NAN;
+    return;
+  }
+  const float c = LOG2E / tr;
+  for (int j = 0; j < real; ++j) lanes[j] = contract_ex2((zr[j] - m) * c);
   for (int j = real; j < TILE; ++j) lanes[j] = 0.0f;
   for (int w = TILE / 2; w >= 1; w /= 2)                       // adjacent-pairwise tree, six levels
     for (int j = 0; j < w; ++j) lanes[j] = lanes[2 * j] + lanes[2 * j + 1];
-  *m_out = m;
+  *m_out = m / tr;
   *s_out = lanes[0];
 }
 
 #if FL_HAVE_AVX512
-// contract_exp on 16 lanes: the same binary32 operations in the same order as the scalar function.
-inline __m512 contract_exp16(__m512 x) {
-  const __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _mm512_set1_ps(SHIFTER)),
-                                 _mm512_set1_ps(SHIFTER));
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(LN2_HI))),
-                                 _mm512_mul_ps(k, _mm512_set1_ps(LN2_LO)));
-  __m512 p = _mm512_add_ps(_mm512_set1_ps(EC6), _mm512_mul_ps(r, _mm512_set1_ps(EC7)));
-  p = _mm512_add_ps(_mm512_set1_ps(EC5), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(EC4), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(EC3), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(EC2), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
-  const __mmask16 in_range = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_X_MIN), _CMP_GE_OQ) &
-                             _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_X_MAX), _CMP_LE_OQ);
-  __m512i n = _mm512_maskz_cvttps_epi32(in_range, k);                  // k is an integer there
-  __m512i n1 = _mm512_srai_epi32(n, 1);                               // floor(n / 2)
-  __m512i n2 = _mm512_sub_epi32(n, n1);
-  const __m512i b127 = _mm512_set1_epi32(127);
-  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, b127), 23))),
-                           _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, b127), 23)));
-  y = _mm512_mask_mov_ps(_mm512_setzero_ps(), in_range, y);                           // x < X_MIN: +0
-  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_X_MAX), _CMP_GT_OQ), _mm512_set1_ps(F_INF));
+// contract_ex2 on 16 lanes of arguments <= 0 (or NaN): the same steps as the scalar function.
+inline __m512 contract_ex2_16(__m512 x) {
+  const __m512 a = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_setzero_ps());   // -x (x <= 0)
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(160.0f), _CMP_LT_OQ);             // false: NaN, big
+  const __m512 ac = _mm512_maskz_mov_ps(small, a);
+  const __m512 k = _mm512_roundscale_ps(ac, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512i j = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps(ac, k), _mm512_set1_ps(8388608.0f)));
+  const __m512i e = _mm512_i32gather_epi32(j, reinterpret_cast<const int*>(g_ex2), 4);
+  const __m512i ki = _mm512_cvttps_epi32(k);
+  const __mmask16 normal = _mm512_cmpgt_epi32_mask(_mm512_srli_epi32(e, 23), ki);
+  __m512 y = _mm512_castsi512_ps(_mm512_maskz_sub_epi32(normal & small, e, _mm512_slli_epi32(ki, 23)));
   return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);           // NaN -> x
 }
 
@@ -639,30 +645,34 @@ inline __m512 contract_exp16(__m512 x) {
 // same adjacent pairs in the same operand order).
 inline void tile_one_avx512(const float* zr, float tr, int real, float* m_out, float* s_out) {
   __m512 v[4];
-  const __m512 t = _mm512_set1_ps(tr);
+  __mmask16 mks[4];
   __m512 mx = _mm512_set1_ps(-F_INF);
   __mmask16 nonfinite = 0;
   for (int q = 0; q < 4; ++q) {
     int left = real - 16 * q;
     __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : (left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1));
-    __m512 x = _mm512_div_ps(_mm512_maskz_loadu_ps(mk, zr + 16 * q), t);
+    mks[q] = mk;
+    __m512 x = _mm512_maskz_loadu_ps(mk, zr + 16 * q);
     v[q] = x;
     // not finite: the exponent field all ones
     nonfinite |= mk & _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7F800000)),
                                               _mm512_set1_epi32(0x7F800000));
     mx = _mm512_mask_max_ps(mx, mk, mx, x);
   }
-  float m = nonfinite ? F_NAN : _mm512_reduce_max_ps(mx);
+  if (nonfinite) {
+    *m_out = F_NAN;
+    *s_out = F_NAN;
+    return;
+  }
+  const float m = _mm512_reduce_max_ps(mx);
   if (m == 0.0f) {            // +0 and -0 tie: the scalar loop keeps the first one met; so does this
     tile_one_scalar(zr, tr, real, m_out, s_out);
     return;
   }
   const __m512 mv = _mm512_set1_ps(m);
-  for (int q = 0; q < 4; ++q) {
-    int left = real - 16 * q;
-    __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : (left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1));
-    v[q] = _mm512_maskz_mov_ps(mk, contract_exp16(_mm512_sub_ps(v[q], mv)));
-  }
+  const __m512 cv = _mm512_set1_ps(LOG2E / tr);
+  for (int q = 0; q < 4; ++q)
+    v[q] = _mm512_maskz_mov_ps(mks[q], contract_ex2_16(_mm512_mul_ps(_mm512_sub_ps(v[q], mv), cv)));
   alignas(64) static const int32_t ev[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
   alignas(64) static const int32_t od[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
   const __m512i ie = _mm512_load_si512(ev), io = _mm512_load_si512(od);
@@ -675,7 +685,7 @@ inline void tile_one_avx512(const float* zr, float tr, int real, float* m_out, f
   x = level(x, x);                                               // 4
   x = level(x, x);                                               // 2
   x = level(x, x);                                               // 1
-  *m_out = m;
+  *m_out = m / tr;
   *s_out = _mm512_cvtss_f32(x);
 }
 #endif
@@ -765,8 +775,8 @@ std::vector<torch::Tensor> merge(torch::Tensor tile_max, torch::Tensor tile_sum,
         if (m != m) break;
         if (x != x || x > m) m = x;
       }
-      float s = s_r[0] * contract_exp(m_r[0] - m);
-      for (int64_t t = 1; t < nt; ++t) s = s + s_r[t] * contract_exp(m_r[t] - m);
+      float s = s_r[0] * contract_ex2((m_r[0] - m) * LOG2E);
+      for (int64_t t = 1; t < nt; ++t) s = s + s_r[t] * contract_ex2((m_r[t] - m) * LOG2E);
       float l = m + contract_log(s);
       L[r] = l;
       for (int64_t c = 0; c < cols; ++c) {
@@ -850,29 +860,25 @@ torch::Tensor map_f32(torch::Tensor x, bool is_log) {
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) Y[i] = is_log ? contract_log(X[i]) : contract_exp(X[i]);
+    for (int64_t i = b; i < e; ++i) Y[i] = is_log ? contract_log(X[i]) : contract_ex2(X[i]);
   });
   return y;
 }
 
-std::vector<int64_t> contract_constants() {
-  return {FL_VOCAB_TILE, FL_K_GROUP, FL_ALIGN_FRAC_BITS, FL_ACC_BITS, FL_ALIGN_EXP_FLOOR, FL_GEMM_NAN_BITS, FL_EXP_LOG2E, FL_EXP_SHIFTER, FL_EXP_LN2_HI,
-          FL_EXP_LN2_LO, FL_EXP_C2, FL_EXP_C3, FL_EXP_C4, FL_EXP_C5, FL_EXP_C6, FL_EXP_C7, FL_EXP_X_MAX,
-          FL_EXP_X_MIN, FL_LOG_SQRT2_BITS, FL_LOG_LN2_HI, FL_LOG_LN2_LO, FL_LOG_Q0, FL_LOG_Q1, FL_LOG_Q2,
-          FL_LOG_Q3, FL_LOG_Q4, FL_LOG_Q5, FL_LOG_Q6, FL_LOG_Q7, FL_LOG_Q8, FL_LOG_Q9};
-}
+std::vector<int64_t> contract_constants() { return {FL_CONTRACT_CONSTANTS_LIST}; }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hopper_logits", &hopper_logits, "z = hidden @ weight[:ncols].T under the Hopper k16 rule");
-  m.def("tile_stats", &tile_stats, "tile max and adjacent-pairwise sum of exp(z/T - max) per 64-column tile");
+  m.def("tile_stats", &tile_stats, "tile max / T and adjacent-pairwise sum of ex2((z - max) * LOG2E / T) per 64-column tile");
   m.def("merge", &merge, "row merge over tiles in ascending order; logp = min(z'_target - lse, 0)");
   m.def("linear_logp_fused", &linear_logp_fused, "hopper_logits, tile_stats, target logit and merge in one call");
   m.def("tile_stats_mismatches", &tile_stats_mismatches);
   m.def("shard_stats_fused", &shard_stats_fused, "logits, tile statistics and the targets' scaled logits");
   m.def("stats_targets", &stats_targets, "tile statistics and the targets' scaled logits (-inf where not owned)");
-  m.def("contract_exp", [](torch::Tensor x) { return map_f32(x, false); });
+  m.def("contract_ex2", [](torch::Tensor x) { return map_f32(x, false); });
+  m.def("set_ex2_table", &set_ex2_table, "the exp2 table's 2^23 + 1 bit patterns (int32), once before use");
   m.def("contract_log", [](torch::Tensor x) { return map_f32(x, true); });
   m.def("contract_constants", &contract_constants);
   m.def("panel_decode_mismatches", &panel_decode_mismatches);

@@ -23,9 +23,8 @@ std::vector<torch::Tensor> merge_ids(torch::Tensor tile_max, torch::Tensor tile_
                                      torch::Tensor ids, int64_t vocab_size, torch::Tensor bad_rows,
                                      torch::Tensor mirror, c10::optional<int64_t> poison);
 std::vector<int64_t> contract_constants();
-std::vector<torch::Tensor> explog(torch::Tensor x);
-torch::Tensor exp_fast(torch::Tensor x);
-std::vector<torch::Tensor> div_rowrcp(torch::Tensor z, torch::Tensor t);
+std::vector<torch::Tensor> ex2log(torch::Tensor x);
+torch::Tensor ex2_selftest(torch::Tensor table);
 // sm90_backward.cu
 void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                  torch::Tensor temperature, torch::Tensor lse, torch::Tensor coef, torch::Tensor g_logp,
@@ -45,9 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_ids", &sm90::merge_ids, "contract row merge of a T = 1 call with the logp of ids read from its logits");
   m.def("logits_stats", &sm90::logits_stats, "contract tile statistics from FP32 logits");
   m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
-  m.def("explog", &sm90::explog, "contract exp/log on the device (test hook)");
-  m.def("exp_fast", &sm90::exp_fast, "the epilogue's one-multiply contract exp on [-87, 0] (test hook)");
-  m.def("div_rowrcp", &sm90::div_rowrcp, "the epilogue's division from a row's reciprocal (test hook)");
+  m.def("ex2log", &sm90::ex2log, "the contract's exp2/log on the device (test hook)");
+  m.def("ex2_selftest", &sm90::ex2_selftest, "this device's ex2.approx.ftz.f32 against the model over its domain");
   m.def("backward_dz", &sm90::backward_dz, "backward: recompute GEMM of one vocabulary chunk with the bf16 logit gradient as its epilogue");
   m.def("fingerprint_rows", &sm90::fingerprint_rows, "lm_head fingerprint: [V, 2] row hashes");
   m.def("topp_crossing", &sm90::topp_crossing, "top-p: first sequential binary32 prefix sum >= p per row");

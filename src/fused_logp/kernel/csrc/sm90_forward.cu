@@ -1,13 +1,14 @@
-// The forward entries: fused lm_head projection + contract v1 tile statistics (launch selection), the row merge,
-// statistics from FP32 logits, and the compiled contract constants.
+// The forward entries: fused lm_head projection + the contract's tile statistics (launch selection), the row merge,
+// statistics from FP32 logits, the exp2 self-test and the compiled contract constants.
 //
-// Contract v1 (shared_contract/constants.py):
+// The contract (CONTRACT.md; constants from shared_contract/constants.py via contract_constants.h):
 //   z[n, v]  = <h[n], W[v]> (+ b[v]): one FP32 wgmma accumulator, K in ascending k16 groups, no split-K.
-//   z'       = __fdiv_rn(z, T[n]).
-//   tile t   = vocabulary ids [64t, 64t+64); m_t = max z' over real ids (NaN if any real z' is non-finite);
-//   s_t      = adjacent-pairwise tree over the 64 lanes of contract_exp(z' - m_t) (0.0 for non-real lanes).
-//   merge    : m = max_t m_t; S = s_0*e_0, S = S + s_t*e_t ascending (e_t = exp(m_t - m));
-//              lse = m + log(S); logp = min(z'_target - lse, 0).
+//   c[n]     = __fdiv_rn(LOG2E, T[n]).
+//   tile t   = vocabulary ids [64t, 64t+64); M_t = max z over real ids (NaN if any real z is non-finite);
+//   s_t      = adjacent-pairwise tree over the 64 lanes of ex2((z - M_t) * c) (0.0 for non-real lanes);
+//   m_t      = __fdiv_rn(M_t, T).
+//   merge    : m = max_t m_t; S = s_0*e_0, S = S + s_t*e_t ascending (e_t = ex2((m_t - m) * LOG2E));
+//              lse = m + log(S); logp = min(__fdiv_rn(z_target, T) - lse, 0).
 // Launch shapes (CTA tile, stages, grid order) are free: they never change a bit.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
@@ -51,7 +52,8 @@ __device__ __forceinline__ float block_row_lse(const float* __restrict__ mx, con
   for (int base = 0; base < n_tiles; base += chunk) {
     const int cnt = min(chunk, n_tiles - base);
     for (int i = threadIdx.x; i < cnt; i += kMergeThreads)
-      terms[i] = __fmul_rn(sm[base + i], contract::contract_exp(__fsub_rn(mx[base + i], m)));
+      terms[i] = __fmul_rn(sm[base + i], contract::contract_ex2(__fmul_rn(__fsub_rn(mx[base + i], m),
+                                                                         contract::bits(contract::EXP_LOG2E))));
     __syncthreads();
     if (threadIdx.x == 0) {
       int i = 0;
@@ -152,29 +154,28 @@ logits_stats_kernel(const float* __restrict__ logits, long long ld, const int64_
   const bool r0 = c0 < vocab_size, r1 = c0 + 1 < vocab_size;
   const float* zr = logits + row * ld;
   const float z0 = r0 ? zr[c0] : 0.0f, z1 = r1 ? zr[c0 + 1] : 0.0f;
-  const float s0 = (T == 1.0f) ? z0 : __fdiv_rn(z0, T);
-  const float s1 = (T == 1.0f) ? z1 : __fdiv_rn(z1, T);
   float m = __int_as_float(0xFF800000);
   int bad = 0;
-  if (r0) { m = fmaxf(m, s0); bad |= !isfinite(s0); }
-  if (r1) { m = fmaxf(m, s1); bad |= !isfinite(s1); }
+  if (r0) { m = fmaxf(m, z0); bad |= !isfinite(z0); }
+  if (r1) { m = fmaxf(m, z1); bad |= !isfinite(z1); }
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     bad |= __shfl_xor_sync(0xffffffffu, bad, o);
   }
   if (bad) m = __int_as_float(0x7FFFFFFF);
-  const float e0 = r0 ? contract::contract_exp(__fsub_rn(s0, m)) : 0.0f;
-  const float e1 = r1 ? contract::contract_exp(__fsub_rn(s1, m)) : 0.0f;
+  const float c = __fdiv_rn(contract::bits(contract::EXP_LOG2E), T);
+  const float e0 = r0 ? contract::contract_ex2(__fmul_rn(__fsub_rn(z0, m), c)) : 0.0f;
+  const float e1 = r1 ? contract::contract_ex2(__fmul_rn(__fsub_rn(z1, m), c)) : 0.0f;
   float a = __fadd_rn(e0, e1);                                     // level 1
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, o));   // levels 2..6
   if (lane == 0) {
-    tile_max[item] = m;
-    tile_sum[item] = a;
+    tile_max[item] = bad ? m : __fdiv_rn(m, T);
+    tile_sum[item] = bad ? m : a;
   }
   const long long tc = targets[row] - static_cast<long long>(t) * kTile;
-  if (tc >= 0 && tc < kTile && (tc >> 1) == lane) target_logit[row] = (tc & 1) ? s1 : s0;
+  if (tc >= 0 && tc < kTile && (tc >> 1) == lane) target_logit[row] = __fdiv_rn((tc & 1) ? z1 : z0, T);
 }
 
 }  // namespace
@@ -375,80 +376,81 @@ void logits_stats(torch::Tensor logits, torch::Tensor targets, torch::Tensor tem
 }
 
 // Contract constants compiled into this build, for the launch-time check against shared_contract/constants.py.
-std::vector<int64_t> contract_constants() {
-  using namespace contract;
-  return {VOCAB_TILE, K_GROUP, EXP_LOG2E, EXP_SHIFTER, EXP_LN2_HI, EXP_LN2_LO, EXP_POLY_C2, EXP_POLY_C3,
-          EXP_POLY_C4, EXP_POLY_C5, EXP_POLY_C6, EXP_POLY_C7, EXP_X_MAX, EXP_X_MIN, LOG_SQRT_HALF_BITS,
-          LOG_LN2_HI, LOG_LN2_LO, LOG_POLY_0, LOG_POLY_1, LOG_POLY_2, LOG_POLY_3, LOG_POLY_4, LOG_POLY_5,
-          LOG_POLY_6, LOG_POLY_7, LOG_POLY_8, LOG_POLY_9};
-}
+std::vector<int64_t> contract_constants() { return {FL_CONTRACT_CONSTANTS_LIST}; }
 
-// Test hooks: the device exp/log over a float32 tensor.
-static __global__ void explog_kernel(const float* x, float* e, float* l, float* en, long long n) {
+// Test hooks: the device exp2 and log over a float32 tensor.
+static __global__ void ex2log_kernel(const float* x, float* e, float* l, long long n) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) {
-    e[i] = contract::contract_exp(x[i]);
+    e[i] = contract::contract_ex2(x[i]);
     l[i] = contract::contract_log(x[i]);
-    en[i] = contract::contract_exp_nonpos(x[i]);   // meaningful for finite x <= 0 only
   }
 }
 
-std::vector<torch::Tensor> explog(torch::Tensor x) {
-  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "sm90: explog input");
-  auto e = torch::empty_like(x), l = torch::empty_like(x), en = torch::empty_like(x);
+std::vector<torch::Tensor> ex2log(torch::Tensor x) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "sm90: ex2log input");
+  auto e = torch::empty_like(x), l = torch::empty_like(x);
   const long long n = x.numel();
   if (n > 0) {
     const c10::cuda::CUDAGuard guard(x.device());
-    explog_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x.data_ptr<float>(), e.data_ptr<float>(), l.data_ptr<float>(), en.data_ptr<float>(), n);
+    ex2log_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.data_ptr<float>(), e.data_ptr<float>(), l.data_ptr<float>(), n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return {e, l, en};
+  return {e, l};
 }
 
-// Test hook: the epilogue's one-multiply exp (contract_exp_fast) over a float32 tensor; meaningful for
-// FAST_EXP_MIN <= x <= 0 only.
-static __global__ void exp_fast_kernel(const float* x, float* e, long long n) {
-  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) e[i] = contract::contract_exp_fast(x[i]);
-}
-
-torch::Tensor exp_fast(torch::Tensor x) {
-  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "sm90: exp_fast input");
-  auto e = torch::empty_like(x);
-  const long long n = x.numel();
-  if (n > 0) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    exp_fast_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x.data_ptr<float>(), e.data_ptr<float>(), n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+// The exp2 self-test (CONTRACT.md section 6): this device's ex2.approx.ftz.f32 against the model over every binary32
+// x <= 0 (all 2^31 patterns with the sign bit set) and every x in [+0, 2^-23): k = floor(-x), j = floor(|x + k| 2^23),
+// T[j] 2^-k by exponent arithmetic, +0 below 2^-126; NaN for NaN. counts[0] = values checked, counts[1] = values that
+// differ, counts[2..3] = the first differing input's bits and the device's result.
+static __global__ void ex2_selftest_kernel(const uint32_t* __restrict__ table, unsigned long long* counts) {
+  constexpr unsigned long long kNeg = 1ull << 31, kPos = 0x34000000ull;
+  unsigned long long checked = 0;
+  for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < kNeg + kPos; i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
+    const uint32_t xb = i < kNeg ? static_cast<uint32_t>(0x80000000ull | i) : static_cast<uint32_t>(i - kNeg);
+    const float x = __uint_as_float(xb);
+    const uint32_t hw = __float_as_uint(contract::contract_ex2(x));
+    uint32_t want;
+    bool ok;
+    if (x != x) {
+      ok = (hw & 0x7FFFFFFFu) > 0x7F800000u;
+    } else {
+      const float a = x > 0.0f ? 0.0f : -x;
+      if (!(a < 160.0f)) {
+        want = 0u;
+      } else {
+        const float k = floorf(a);
+        const int j = static_cast<int>(__fmul_rn(__fsub_rn(a, k), 8388608.0f));
+        const uint32_t e = table[j];
+        const int ki = static_cast<int>(k);
+        want = static_cast<int>(e >> 23) > ki ? e - (static_cast<uint32_t>(ki) << 23) : 0u;
+      }
+      ok = hw == want;
+    }
+    ++checked;
+    if (!ok) {
+      if (atomicAdd(counts + 1, 1ull) == 0ull) {
+        counts[2] = xb;
+        counts[3] = hw;
+      }
+    }
   }
-  return e;
+  atomicAdd(counts, checked);
 }
 
-// Test hook: the epilogue's division z[i] / t[i] from the reciprocal RN(1 / t[i]) (div_rn_rowrcp, without
-// its guard: meaningful where the guard holds), and __fdiv_rn beside it.
-static __global__ void div_rowrcp_kernel(const float* z, const float* t, float* q, float* q_ref, long long n) {
-  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) {
-    q[i] = div_rn_rowrcp(z[i], t[i], __frcp_rn(t[i]));
-    q_ref[i] = __fdiv_rn(z[i], t[i]);
-  }
-}
-
-std::vector<torch::Tensor> div_rowrcp(torch::Tensor z, torch::Tensor t) {
-  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.is_contiguous() && t.is_cuda() &&
-                  t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == z.numel(),
-              "sm90: div_rowrcp inputs");
-  auto q = torch::empty_like(z), q_ref = torch::empty_like(z);
-  const long long n = z.numel();
-  if (n > 0) {
-    const c10::cuda::CUDAGuard guard(z.device());
-    div_rowrcp_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        z.data_ptr<float>(), t.data_ptr<float>(), q.data_ptr<float>(), q_ref.data_ptr<float>(), n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  return {q, q_ref};
+torch::Tensor ex2_selftest(torch::Tensor table) {
+  TORCH_CHECK(table.is_cuda() && table.scalar_type() == torch::kInt32 && table.is_contiguous() &&
+                  table.numel() == (1ll << FL_EX2_FRAC_BITS) + 1,
+              "sm90: ex2_selftest takes the exp2 table as a contiguous CUDA int32 tensor of 2^23 + 1 entries");
+  const c10::cuda::CUDAGuard guard(table.device());
+  auto counts = torch::zeros({4}, table.options().dtype(torch::kInt64));
+  ex2_selftest_kernel<<<1024, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>()),
+      reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return counts;
 }
 
 }  // namespace sm90

@@ -1,4 +1,4 @@
-// The forward's epilogue: contract v1 tile statistics (sections 3-4 of CONTRACT.md) of the CTA's tiles, read from a
+// The forward's epilogue: the contract's tile statistics (sections 3-4 of CONTRACT.md) of the CTA's tiles, read from a
 // shared-memory copy of the wgmma accumulators, plus the target logit and the optional logits.
 #pragma once
 #include "fused_params.cuh"
@@ -11,23 +11,7 @@ namespace sm90 {
 // vocabulary tile vt), 16 rows x 64 columns of c's staged tile, taken by any warp once all staging is written.
 // ---------------------------------------------------------------------------------------------------------
 
-// z / T rounded to nearest even (the bits of __fdiv_rn(z, T)) from y = RN(1 / T), computed once a row: q0 = RN(z y)
-// is within 1.5 ulp of z / T, one correction q1 = RN(q0 + RN(z - T q0) y) is within 1 ulp (faithful), and the
-// second is Markstein's step: with y within half an ulp of 1 / T and q1 faithful, r1 = z - T q1 is exact and
-// RN(q1 + r1 y) is the correctly rounded quotient. The guard keeps every step normal: T in [2^-20, 2^20] and
-// 2^-100 <= |z| <= 2^100 (zeros, non-finite and extreme values take __fdiv_rn). tools/check_row_division.cpp
-// checks these five operations against the IEEE quotient on the CPU, exhaustively in z for 590 T values.
-constexpr float kRowRcpTMin = 0x1p-20f, kRowRcpTMax = 0x1p20f;
-constexpr float kRowRcpZMin = 0x1p-100f, kRowRcpZMax = 0x1p100f;
-__device__ __forceinline__ float div_rn_rowrcp(float z, float T, float y) {
-  const float q0 = __fmul_rn(z, y);
-  const float r0 = __fmaf_rn(-T, q0, z);
-  const float q1 = __fmaf_rn(r0, y, q0);
-  const float r1 = __fmaf_rn(-T, q1, z);
-  return __fmaf_rn(r1, y, q1);
-}
-
-// Per-row inputs of an item's two rows (row, row + 8).
+// Per-row inputs of an item's two rows (row, row + 8): the temperature and the target's column.
 __device__ __forceinline__ void item_rows(const FusedParams& p, int row, float (&T)[2], long long (&tcol)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -89,12 +73,11 @@ __device__ __forceinline__ float tree16(const float (&e)[16]) {
 }
 
 // One item: z[h][i] is column tile_col + 16q + i of row row + 8h; T and tcol are the two rows' item_rows. Every
-// thread of the warp calls it (the vote below). The exp: contract_exp_fast where every lane of the warp qualifies
-// (all 64 columns real, no non-finite lane, z' - m_t >= FAST_EXP_MIN), else contract_exp_nonpos on the real lanes;
-// both give the contract's bits. The division by a row's T != 1 is taken from the row's reciprocal (div_rn_rowrcp)
-// where the row's real lanes pass its guard, else it is __fdiv_rn; both give the IEEE quotient. LOGITS (p.logits is
-// set exactly when it is true): the unscaled logits are kept and stored after the row maximum's shuffles, so that
-// the stores do not queue ahead of the shuffles; they drain under the exp's arithmetic.
+// thread of the warp calls it. Section 4: M = max z over the real lanes (NaN if any is non-finite), the lanes'
+// ex2(mul(sub(z, M), c)) with c = div(LOG2E, T) summed by the tree, m_t = div(M, T); the target's z' = div(z, T).
+// The per-logit work is one max, one sub, one mul, one ex2 and one add; the divisions are per row or per tile.
+// LOGITS (p.logits is set exactly when it is true): the unscaled logits are stored after the row maximum's shuffles,
+// so that the stores do not queue ahead of the shuffles; they drain under the exp's arithmetic.
 template <bool LOGITS>
 __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2],
                                            const FusedParams& p, int row, int tile_col) {
@@ -122,7 +105,7 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
     }
   }
   // unscaled logits, streamed past L2: 64 contiguous bytes a row, as four 16-byte stores where aligned
-  auto store_logits = [&](const float (&zu)[2][16]) {
+  auto store_logits = [&]() {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (row + 8 * h >= p.n_rows) continue;
@@ -130,55 +113,17 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
       if (full && p.logits_vec4) {
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          __stcs(reinterpret_cast<float4*>(lr) + i, make_float4(zu[h][4 * i], zu[h][4 * i + 1], zu[h][4 * i + 2],
-                                                                zu[h][4 * i + 3]));
+          __stcs(reinterpret_cast<float4*>(lr) + i, make_float4(z[h][4 * i], z[h][4 * i + 1], z[h][4 * i + 2],
+                                                                z[h][4 * i + 3]));
       } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i)
-          if (c0 + i < p.n_real) __stcs(lr + i, zu[h][i]);
+          if (c0 + i < p.n_real) __stcs(lr + i, z[h][i]);
       }
     }
   };
-  float zu[2][16];
-  if constexpr (LOGITS) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 16; ++i) zu[h][i] = z[h][i];
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (T[h] != 1.0f) {                 // z / 1 == z exactly: the division is skipped only where it is exact
-      // the guard over the row's real lanes (NaN fails it: max_nan); a full tile's without per-lane predicates
-      // (one loop with a predicate a lane costs more instructions a logit)
-      float amin = __int_as_float(0x7F800000), amax = 0.0f;
-      if (full) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          amin = fminf(amin, fabsf(z[h][i]));
-          amax = max_nan(amax, fabsf(z[h][i]));
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          if (c0 + i < p.n_real) {
-            amin = fminf(amin, fabsf(z[h][i]));
-            amax = max_nan(amax, fabsf(z[h][i]));
-          }
-        }
-      }
-      if (T[h] >= kRowRcpTMin && T[h] <= kRowRcpTMax && amin >= kRowRcpZMin && amax <= kRowRcpZMax) {
-        const float y = __frcp_rn(T[h]);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) z[h][i] = div_rn_rowrcp(z[h][i], T[h], y);
-        continue;
-      }
-#pragma unroll
-      for (int i = 0; i < 16; ++i) z[h][i] = __fdiv_rn(z[h][i], T[h]);
-    }
-  }
-  // m_t (max over real lanes; NaN if any real lane is non-finite) and this thread's lowest real lane.
-  float m[2], lo[2];
+  // M (max over real lanes; NaN if any real lane is non-finite)
+  float m[2];
   bool bad[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -198,7 +143,6 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
         }
       }
     }
-    lo[h] = mn;
     mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, 1));
@@ -207,28 +151,22 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
     bad[h] = !(fabsf(mx) < __int_as_float(0x7F800000)) || mn == __int_as_float(0xFF800000);
     m[h] = bad[h] ? __int_as_float(0x7FFFFFFF) : mx;
   }
-  if constexpr (LOGITS) store_logits(zu);
-  const bool ok = full && !bad[0] && !bad[1] && __fsub_rn(lo[0], m[0]) >= contract::FAST_EXP_MIN &&
-                  __fsub_rn(lo[1], m[1]) >= contract::FAST_EXP_MIN;
+  if constexpr (LOGITS) store_logits();
   float s[2];
-  if (__all_sync(0xffffffffu, ok)) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float e[16];
+  for (int h = 0; h < 2; ++h) {
+    const float c = __fdiv_rn(contract::bits(contract::EXP_LOG2E), T[h]);
+    float e[16];
+    if (full) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) e[i] = contract::contract_exp_fast(__fsub_rn(z[h][i], m[h]));
-      s[h] = tree16(e);
-    }
-  } else {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float e[16];
+      for (int i = 0; i < 16; ++i) e[i] = contract::contract_ex2(__fmul_rn(__fsub_rn(z[h][i], m[h]), c));
+    } else {
 #pragma unroll
       for (int i = 0; i < 16; ++i)
-        e[i] = (c0 + i < p.n_real) ? contract::contract_exp_nonpos(__fsub_rn(z[h][i], m[h])) : 0.0f;
-      s[h] = tree16(e);
-      if (bad[h]) s[h] = m[h];          // NaN, as exp(NaN) lanes would give
+        e[i] = (c0 + i < p.n_real) ? contract::contract_ex2(__fmul_rn(__fsub_rn(z[h][i], m[h]), c)) : 0.0f;
     }
+    s[h] = tree16(e);
+    if (bad[h]) s[h] = m[h];          // NaN, as ex2(NaN) lanes would give
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -240,11 +178,11 @@ __device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T
 #pragma unroll
       for (int i = 1; i < 16; ++i)
         if (i == (tl & 15)) t = z[h][i];
-      p.target_logit[r] = t;
+      p.target_logit[r] = __fdiv_rn(t, T[h]);
     }
     if (q == 0) {
       const long long o = static_cast<long long>(r) * p.nt + tile_col / kTile;
-      p.tile_max[o] = m[h];
+      p.tile_max[o] = bad[h] ? m[h] : __fdiv_rn(m[h], T[h]);
       p.tile_sum[o] = s[h];
     }
   }
