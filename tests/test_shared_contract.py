@@ -15,13 +15,14 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def test_contract_version_string():
-    assert CONTRACT_VERSION == "cuda-fused-linear-logp-sm90-contract-v1"
+    assert CONTRACT_VERSION == "cuda-fused-linear-logp-sm90-contract-v2"
+    assert "cuda-fused-linear-logp-sm90-contract-v1" in C.RETIRED_CONTRACT_VERSIONS
     assert C.VOCAB_TILE == 64 and C.K_GROUP == 16
 
 
 def test_env_override_of_a_constant_raises(monkeypatch):
     monkeypatch.setenv("FUSED_LOGP_VOCAB_TILE", "128")
-    with pytest.raises(ContractOverrideError, match=r"VOCAB_TILE.*cuda-fused-linear-logp-sm90-contract-v1"):
+    with pytest.raises(ContractOverrideError, match=r"VOCAB_TILE.*cuda-fused-linear-logp-sm90-contract-v2"):
         load_config()
 
 

@@ -46,8 +46,8 @@ def shared_llm(model_dir, plugin_cfg, logprobs_mode: str | None = None):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("FUSED_LOGP_VLLM", None)
     try:
-        engine = LLM(model=str(model_dir), **ENGINE_KW, additional_config=copy.deepcopy(plugin_cfg),
-                     **({"logprobs_mode": logprobs_mode} if logprobs_mode else {}))
+        kw = dict(ENGINE_KW, **({"logprobs_mode": logprobs_mode} if logprobs_mode else {}))
+        engine = LLM(model=str(model_dir), **kw, additional_config=copy.deepcopy(plugin_cfg))
     finally:
         for k, v in saved.items():
             if v is None:
