@@ -377,8 +377,8 @@ def run_logprobs_mode(model_dir, runner: str, logprobs_mode: str) -> dict:
     return res
 
 
-def run_modes(out: Path, model_dir: Path, deadline_s: float) -> dict:
-    t0 = time.time()
+def _run_header(out: Path) -> dict:
+    """The output folder made, and the result's header: date, torch, device, vLLM's version (or why not)."""
     out.mkdir(parents=True, exist_ok=True)
     import torch
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
@@ -388,6 +388,12 @@ def run_modes(out: Path, model_dir: Path, deadline_s: float) -> dict:
         result["vllm"] = vllm.__version__
     except Exception as e:  # noqa: BLE001
         result["vllm"] = f"import failed: {e}"
+    return result
+
+
+def run_modes(out: Path, model_dir: Path, deadline_s: float) -> dict:
+    t0 = time.time()
+    result = _run_header(out)
     make_model(model_dir)
     runners = ("v1",) if DRY else ("v2", "v1")       # vLLM's V2 runner needs Triton: GPU only
     modes = [m for m in os.environ.get("FUSED_LOGP_VLLM_BENCH_MODES", ",".join(MODES)).split(",") if m]
@@ -1272,15 +1278,7 @@ def _child(args_list, log_path, timeout):
 
 def run_all(out: Path, model_dir: Path, deadline_s: float) -> dict:
     t0 = time.time()
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-    result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (dry run)"}
-    try:
-        import vllm
-        result["vllm"] = vllm.__version__
-    except Exception as e:  # noqa: BLE001
-        result["vllm"] = f"import failed: {e}"
+    result = _run_header(out)
     try:
         from fused_logp.kernel.sm90 import SM90Backend
         result["sm90"] = str(SM90Backend().available())

@@ -197,7 +197,7 @@ def row_lse(tile_max: np.ndarray, tile_sum: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         m = tile_max.max(axis=1)                                          # NaN-propagating
         d = ((tile_max - m[:, None]).astype(np.float32) * LOG2E).astype(np.float32)
-        w = contract_ex2(np.where(np.isnan(d), np.float32(np.nan), d))
+        w = contract_ex2(d)
         s = (tile_sum[:, 0] * w[:, 0]).astype(np.float32)
         for t in range(1, tile_max.shape[1]):
             s = (s + tile_sum[:, t] * w[:, t]).astype(np.float32)

@@ -58,11 +58,6 @@ _TILE = C.VOCAB_TILE
 # Rows per GEMM call in linear_logp: bounds the FP32 logits held at once ([rows, V]; 64 x 151936 x 4 B = 39 MB).
 ROWS_PER_CALL = 64
 
-# The group's alignment floor and the NaN a logit is written as (CONTRACT.md section 2). A contract text without
-# them is the rule where c = 0 enters with exponent -126 (the same as a floor of -126), NaN unspecified.
-_ALIGN_EXP_FLOOR = getattr(C, "ALIGN_EXP_FLOOR", -126)
-_GEMM_NAN_BITS = getattr(C, "GEMM_NAN_BITS", 0x7FC00000)
-
 _lock = threading.Lock()
 _ext = None
 _ext_error: str | None = None

@@ -65,7 +65,8 @@ _ex2_checks: dict = {}         # device index -> (ok, the check's one-line recor
 def ex2_check(device) -> tuple[bool, str]:
     """The exp2 self-test of `device`, once per process (CONTRACT.md section 6): its ex2.approx.ftz.f32 against the
     shipped table's model over every binary32 x <= 0 and every x in [+0, 2^-23). -> (ok, record)."""
-    idx = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    dev = torch.device(device)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
     hit = _ex2_checks.get(idx)
     if hit is not None:
         return hit

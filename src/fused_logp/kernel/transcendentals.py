@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..shared_contract import constants as C
-from ..shared_contract.ex2_table import table_bits, table_f32
+from ..shared_contract.ex2_table import table_f32
 
 _f32 = np.float32
 
