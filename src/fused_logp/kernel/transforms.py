@@ -4,8 +4,8 @@ optional, replayed identically by the rollout and the trainer (CONTRACT.md secti
 Every decision is made in contract arithmetic on the scaled logits z' = z / T of the real vocabulary:
   top-k   keep the k largest z', ties broken by the lower token id;
   top-p   order the kept tokens by (z' descending, id ascending); q_v = ex2((z'_v - lse_K) * LOG2E) with lse_K
-          the contract lse over the kept set K (sections 4-5 on the unscaled z and T); accumulate c = add(c, q_v) in that order; keep the shortest prefix
-          whose c >= p (all of K if rounding never reaches p);
+          the contract lse over the kept set K (sections 4-5 on the unscaled z and T); accumulate c = add(c, q_v)
+          in that order; keep the shortest prefix whose c >= p (all of K if rounding never reaches p);
   min-p   keep z'_v - m >= log(min_p), m the largest kept z', with the contract's log.
 The program's logp is z'_target - lse_kept: the contract's tile tree and row merge with every non-kept lane
 treated exactly like padding. A target outside the kept set cannot have been sampled: the trainer refuses it.
@@ -96,7 +96,7 @@ def kept_set(z: np.ndarray, program: TransformProgram) -> np.ndarray:
         with np.errstate(invalid="ignore", over="ignore"):
             arg = ((zs - lse_k[:, None]).astype(np.float32) * LOG2E).astype(np.float32)
             q = contract_ex2(np.where(keep, arg, np.float32(-np.inf)))
-        q = q[rows, order]                # in (z' desc, id asc) order
+        q = q[rows, order]                                                 # in (z' desc, id asc) order
         c = np.cumsum(q, axis=1, dtype=np.float32)                         # one binary32 add per step, in order
         reach = c >= np.float32(program.top_p)
         first = np.where(reach.any(axis=1), reach.argmax(axis=1), v - 1)
@@ -249,24 +249,24 @@ def _tile_stats_dense(z3: torch.Tensor, k3: torch.Tensor, t_vec: torch.Tensor):
     return raw_max.div_(t_vec[:, None]), tsum
 
 
-def _tile_stats_torch(zs: torch.Tensor, keep: torch.Tensor | None, t_vec: torch.Tensor):
-    """(tile_max, tile_sum) [R, nt] of the global tiles of unscaled logits zs over the kept set (None: every real
+def _tile_stats_torch(z: torch.Tensor, keep: torch.Tensor | None, t_vec: torch.Tensor):
+    """(tile_max, tile_sum) [R, nt] of the global tiles of unscaled logits z over the kept set (None: every real
     lane), at the rows' temperatures t_vec [R]."""
-    r, v = zs.shape
+    r, v = z.shape
     nt = -(-v // _TILE)
     pad = nt * _TILE - v
-    kp = keep if keep is not None else torch.ones(r, v, dtype=torch.bool, device=zs.device)
-    zp = zs
+    kp = keep if keep is not None else torch.ones(r, v, dtype=torch.bool, device=z.device)
+    zp = z
     if pad:
-        zp = torch.cat([zs, zs.new_zeros(r, pad)], dim=1)
+        zp = torch.cat([z, z.new_zeros(r, pad)], dim=1)
         kp = torch.cat([kp, kp.new_zeros(r, pad)], dim=1)
     z3, k3 = zp.view(r, nt, _TILE), kp.view(r, nt, _TILE)
     if keep is not None and r > 0:
         busy = k3.any(dim=-1)
         cnt = int(busy.sum(dim=1).max())
         if cnt * _SPARSE_TILE_DIV <= nt:
-            tmax = torch.full((r, nt), float("-inf"), dtype=torch.float32, device=zs.device)
-            tsum = torch.zeros((r, nt), dtype=torch.float32, device=zs.device)
+            tmax = torch.full((r, nt), float("-inf"), dtype=torch.float32, device=z.device)
+            tsum = torch.zeros((r, nt), dtype=torch.float32, device=z.device)
             if cnt == 0:
                 return tmax, tsum
             idx = torch.topk(busy.to(torch.int32), cnt, dim=1).indices    # all busy tiles (+ idle ones)
