@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import math
 import os
 import runpy
@@ -114,14 +115,24 @@ def child(record_path: str, script: str, workdir: str, argv: list, score: bool) 
     sys.path.insert(0, workdir)
     import megatron.training.training as mtt
 
-    rec = {"iterations": [], "processor_backends": []}
+    t_start = time.perf_counter()
+    rec = {"iterations": [], "processor_backends": [], "extension_log": []}
     captured = {}
+
+    class Keep(logging.Handler):                   # the extension cache's INFO line: built, or loaded
+        def emit(self, record):
+            msg = record.getMessage()
+            if "extension" in msg:
+                rec["extension_log"].append(msg)
+    logging.getLogger("fused_logp").addHandler(Keep())
+    logging.getLogger("fused_logp").setLevel(logging.INFO)
     orig_log, orig_setup = mtt.training_log, mtt.setup_model_and_optimizer
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                      skipped_iter, grad_norm, *args, **kwargs):
         loss = loss_dict.get("lm loss")
-        rec["iterations"].append({"iteration": int(iteration), "lm_loss": None if loss is None else float(loss),
+        rec["iterations"].append({"iteration": int(iteration), "t_s": round(time.perf_counter() - t_start, 3),
+                                  "lm_loss": None if loss is None else float(loss),
                                   "lm_loss_hex": _hex(loss), "grad_norm": None if grad_norm is None else float(grad_norm),
                                   "grad_norm_hex": _hex(grad_norm), "skipped": int(skipped_iter)})
         return orig_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
@@ -129,6 +140,7 @@ def child(record_path: str, script: str, workdir: str, argv: list, score: bool) 
 
     def setup_model_and_optimizer(*args, **kwargs):
         out = orig_setup(*args, **kwargs)
+        rec["setup_done_s"] = round(time.perf_counter() - t_start, 3)
         captured["model"] = out[0]
         hook = sys.modules.get("fused_logp.megatron_plugin.hook")
         if hook is not None:                       # the plugin's scripts: note the op's backend of each call
@@ -325,6 +337,9 @@ def main():
     res["loss_flag_on"] = losses
     res["grad_norm_unmodified"] = [x["grad_norm"] for x in base["iterations"]]
     res["grad_norm_flag_on"] = [x["grad_norm"] for x in on_run["iterations"]]
+    res["first_step_s"] = {k: round(r["iterations"][0]["t_s"] - r["setup_done_s"], 3)
+                           for k, r in runs.items() if r.get("iterations") and "setup_done_s" in r}
+    res["extension_log"] = {k: r.get("extension_log") for k, r in runs.items() if r.get("extension_log")}
     res["runs"] = runs
     res["checks"] = checks
     res["ok"] = all(checks.values())

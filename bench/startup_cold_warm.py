@@ -138,13 +138,16 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--kill-after", type=float, default=15.0, help="seconds into the build at which it is killed")
     ap.add_argument("--deadline", type=float, default=560.0, help="seconds; phases that would not fit are skipped")
+    ap.add_argument("--work", default=None, help="folder for the caches, kept afterwards (default: a temporary "
+                    "folder, removed); <work>/cache-a is then a warm cache for later processes")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": _machine(), "shape": {"n": 512, "d": 4096, "v": 32768}, "phases": {}}
-    work = Path(tempfile.mkdtemp(prefix="fl-startup-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="fl-startup-"))
+    work.mkdir(parents=True, exist_ok=True)
 
     def save():
         tmp = out / ".startup_cold_warm.json.tmp"
@@ -210,7 +213,8 @@ def main() -> int:
     finally:
         report["total_s"] = time.perf_counter() - start
         save()
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
