@@ -203,6 +203,7 @@ peer-site:
 # (bench/megatron_h200_train.py) and, when two GPUs are visible, TP=2 over NCCL.
 MEGATRON_CORE := megatron-core==0.19.2
 MEGATRON_SITE := build/megatron-site
+MEGATRON_JOBS ?= 1        # training runs at once (bench/megatron_h200_train.py --jobs)
 MEGATRON_LM := build/megatron-lm
 MEGATRON_LM_FILES := pretrain_gpt.py gpt_builders.py model_provider.py LICENSE
 MEGATRON_ENV := PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests:$(CURDIR)/$(MEGATRON_SITE) PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -273,6 +274,7 @@ test-megatron-gpu:
 	$(MEGATRON_ENV) $(PYTHON) -P -c 'import torch, megatron.core as m; print("megatron-core", m.__version__)'
 	@status=0; out=$${OUT:-out}; mkdir -p $$out; \
 	$(MEGATRON_ENV) timeout 480 $(PYTHON) -P bench/megatron_h200_train.py --megatron-lm $(MEGATRON_LM) --out $$out \
+		--jobs $(MEGATRON_JOBS) \
 		|| status=1; \
 	$(MEGATRON_ENV) timeout 300 $(PYTHON) -P -m pytest -q -ra -p no:cacheprovider tests/test_megatron_gpu.py \
 		tests/test_megatron_versions.py > $$out/megatron-gpu-tests.txt 2>&1 || status=1; \

@@ -229,7 +229,10 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
     from fused_logp.vllm_plugin.policy import transform_program
 
     t0 = time.time()
-    llm = _engine(model_dir, plugin=True, capture=True, eager=(mode == "eager"), max_num_seqs=128)
+    # the comparison (_compare) scores each value at its request's temperature and program: processed_logprobs, the
+    # RL recipe's mode (every mode is checked by `modes`)
+    llm = _engine(model_dir, plugin=True, capture=True, eager=(mode == "eager"), max_num_seqs=128,
+                  logprobs_mode="processed_logprobs")
     res = {"runner": runner, "mode": mode, "start_s": round(time.time() - t0, 1)}
     weight = _lm_head(model_dir)
     status = llm.collective_rpc("fused_logp_status")[0]

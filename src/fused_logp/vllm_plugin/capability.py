@@ -158,6 +158,11 @@ def mrv2_sampler_shape(sampler_cls, problems: list) -> tuple[int | None, str | N
         problems.append(f"MRV2 Sampler.add_request{tuple(names)} is neither (req_idx, sampling_params) nor "
                         f"(req_idx, prompt_len, sampling_params)")
         return None, None
+    call_code = getattr(inspect.unwrap(sampler_cls.__call__), "__code__", None)
+    if not (_starts(getattr(sampler_cls, "sample", None), ("logits",)) and call_code is not None
+            and "sample" in call_code.co_names):
+        problems.append("MRV2 Sampler.__call__ does not draw through self.sample(logits, ...)")
+        return None, None
     if _starts(getattr(sampler_cls, "get_logprobs_dims", None), ("idx_mapping_np",)):
         probe = "get_logprobs_dims"
     elif _starts(getattr(sampler_cls, "returns_logprobs", None), ("idx_mapping_np",)):

@@ -2,8 +2,10 @@
 
 `add_request` records each request's transform program and request-level non-contract features, and hands vLLM
 sampling params with top-k / top-p / min-p off for a program request (temperature, seed and everything else as
-given). `__call__` masks the head's FP32 logits to each program row's kept set, lets vLLM sample, checks that
-every program row's token is in its set, and rescores every logprob column with the contract op. Both known
+given). `__call__` lets vLLM sample from each program row's kept set (the wrapped `Sampler.sample` draws from a
+masked copy of the head's FP32 logits, so that vLLM's raw logprobs still rank and score the full row, as its own
+raw modes do), checks that every program row's token is in its set, and rescores every logprob column with the
+contract op. Both known
 add_request shapes are handled (capability.HookShapes.mrv2_sp_index) and both logprobs probes
 (`get_logprobs_dims` / `returns_logprobs`).
 
@@ -131,6 +133,7 @@ class _Job:
 
 
 _job = threading.local()
+_sample_keep = threading.local()          # the kept set [N, V] bool that the wrapped Sampler.sample draws from
 
 
 def install_token_logprobs() -> None:
@@ -163,6 +166,27 @@ def install(shapes) -> None:
 
     orig_call = Sampler.__call__
     orig_add_request = Sampler.add_request
+    orig_sample = Sampler.sample
+
+    @functools.wraps(orig_sample)
+    def sample(self, logits, *args, **kwargs):
+        keep = getattr(_sample_keep, "keep", None)
+        if keep is not None and keep.shape == logits.shape:
+            # a masked copy: vLLM's raw logprobs are read from the caller's logits after the draw
+            masked = logits.masked_fill(~keep, float("-inf"))
+            mark = mark_of(logits)
+            if mark is not None:
+                masked._fused_logp = mark
+            logits = masked
+        return orig_sample(self, logits, *args, **kwargs)
+
+    def call_keeping(self, logits, keep, args, kwargs):
+        """vLLM's __call__ with its draw restricted to `keep` (None: unrestricted)."""
+        _sample_keep.keep = keep
+        try:
+            return orig_call(self, logits, *args, **kwargs)
+        finally:
+            _sample_keep.keep = None
     sp_index = shapes.mrv2_sp_index                       # after self: 1 (0.32) or 2 (0.26)
     if shapes.mrv2_logprobs_probe == "get_logprobs_dims":
         def wants_logprobs(sampler, idx):
@@ -254,7 +278,7 @@ def install(shapes) -> None:
             if keep is None:
                 return orig_call(self, logits, input_batch, *args, **kwargs)
             # vLLM's own head (fallback): the neutralised request still samples from its program's kept set
-            out = orig_call(self, logits.masked_fill(~keep, float("-inf")), input_batch, *args, **kwargs)
+            out = call_keeping(self, logits, keep, (input_batch,) + args, kwargs)
             check_sampled(keep, out.sampled_token_ids, groups, None)
             return out
         any_flagged = flags is None or (summary.flagged if not expanded else bool(flags.flagged[idx].any()))
@@ -268,17 +292,14 @@ def install(shapes) -> None:
         if want and token_logprobs and keep is None and not expanded and not any_flagged and raw_mode(self):
             job = _Job(logits, mark, True, 1.0)
         z = (logits if job is not None else logits.clone()) if want else None
-        masked = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
-        if keep is not None:
-            masked._fused_logp = mark
         if job is not None:
             _job.job = job
             try:
-                out = orig_call(self, masked, input_batch, *args, **kwargs)
+                out = orig_call(self, logits, input_batch, *args, **kwargs)
             finally:
                 _job.job = None
         else:
-            out = orig_call(self, masked, input_batch, *args, **kwargs)
+            out = call_keeping(self, logits, keep, (input_batch,) + args, kwargs)
         if keep is not None:
             check_sampled(keep, out.sampled_token_ids, groups, mark)
         if z is not None and out.logprobs_tensors is not None:
@@ -298,3 +319,4 @@ def install(shapes) -> None:
 
     Sampler.__call__ = __call__
     Sampler.add_request = add_request
+    Sampler.sample = sample
