@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from vllm_helpers import captured_floats, lm_head_weight, shared_llm, shared_tiny_model  # noqa: E402
 
 from fused_logp import linear_logp  # noqa: E402
+from fused_logp.audit import audit, load_capture  # noqa: E402
+from fused_logp.shared_contract.constants import CONTRACT_VERSION  # noqa: E402
 from fused_logp.shared_contract.sampling import effective_sampling  # noqa: E402
 from fused_logp.vllm_plugin import LOGPROBS_MODES, completion_index, expected_values  # noqa: E402
 
@@ -63,6 +65,8 @@ def _check_mode(llm, weight, mode):
                 # exactly the request's ids: the sampled id and its own top-k (vLLM's dict drops a repeat)
                 assert len(c["ids"]) == 1 + kw["logprobs"] and set(c["ids"]) == set(d)
                 assert c["logprobs_mode"] == mode
+                # the capture names its vocabulary and contract, so that an audit needs neither as an option
+                assert c["vocab_size"] == weight.shape[0] and c["contract_version"] == CONTRACT_VERSION
                 rec = dict(c["sampling"])
                 prog = rec.pop("program")
                 assert rec == want_sampling, (rec, want_sampling)
@@ -103,17 +107,41 @@ def model_dir():
 
 
 @pytest.mark.parametrize("mode", LOGPROBS_MODES)
-def test_logprobs_mode_values_equal_trainer_call(model_dir, mode):
+def test_logprobs_mode_values_equal_trainer_call(model_dir, mode, tmp_path):
     llm = shared_llm(model_dir, PLUGIN_CFG, logprobs_mode=mode)
     weight = lm_head_weight(model_dir)
     status = llm.collective_rpc("fused_logp_status")[0]["heads"][0]
     assert status["non_contract"] == [] and status["fallback"] is None
     n_vals, n_inf = _check_mode(llm, weight, mode)
     assert n_vals > 100
+    if mode == "processed_logprobs":
+        _audit_padded(llm, weight, tmp_path)
     if mode.startswith("processed"):
         assert n_inf > 0                       # columns outside a program's kept set are -inf
     else:
         assert n_inf == 0
+
+
+def _audit_padded(llm, weight, tmp_path):
+    """The plugin's JSON capture audited against a checkpoint whose lm_head is padded (more rows than the
+    vocabulary), with no --vocab-size: the records' vocab_size keeps the padding rows out of the lse."""
+    import json
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.collective_rpc("fused_logp_captured")
+    llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])],
+                 [SamplingParams(max_tokens=4, logprobs=2, temperature=0.8, top_p=0.9, seed=9, ignore_eos=True)],
+                 use_tqdm=False)
+    rows = [c for c in llm.collective_rpc("fused_logp_captured")[0] if c["kind"] == "sample"]
+    assert rows
+    path = tmp_path / "capture.json"
+    path.write_text(json.dumps(rows))
+    g = torch.Generator().manual_seed(11)
+    padded = torch.cat([weight, torch.randn(7, weight.shape[1], generator=g).to(weight.dtype) * 4])
+    rep = audit(load_capture(path), padded, progress=False)
+    assert rep["ok"] and rep["vocab_size"] == weight.shape[0] and rep["values_checked"] > 0, rep
 
 
 def test_trainer_call_is_the_op(model_dir):

@@ -14,6 +14,7 @@ import torch
 from .. import logp_from_logits
 from ..kernel.op import logp_of_ids
 from ..kernel.transforms import kept_mask, program_logp_from_logits
+from ..shared_contract.constants import CONTRACT_VERSION
 from ..shared_contract.sampling import GREEDY_SCORING_TEMPERATURE, scoring_temperatures
 from .state import Mark
 
@@ -225,7 +226,7 @@ def rescore(lt, z: torch.Tensor, temperature, mark: Mark, *, req_ids=None, kind=
         elif callable(temperature):
             temperature = temperature()
         capture(st, mark.hidden, temperature, ids.to(torch.int64), new, req_ids, kind,
-                programs if processed else None, mode=m, infos=infos)
+                programs if processed else None, mode=m, infos=infos, vocab_size=int(z.shape[1]))
     return lt if scored else lt._replace(logprobs=new)
 
 
@@ -236,12 +237,14 @@ def json_float(v: float):
 
 
 def capture(st, hidden, temperature, ids, logp, req_ids, kind, programs=None, *, mode="processed_logprobs",
-            infos=None):
+            infos=None, vocab_size=None):
     """Append one record per row to the head's bounded capture buffer; every value JSON-safe. A row holds
     exactly the columns vLLM returns for its request (infos[r].sample_cols / prompt_cols; vLLM computes the
     batch's largest count for every row and keeps each request's own). `temperature` and `program` are what the
     values were computed at (T = 1 and None in the raw modes and for prompt rows), `logprobs_mode` what they are
-    (row_mode), `sampling` the engine's effective sampling of the request (policy.RequestInfo.sampling)."""
+    (row_mode), `sampling` the engine's effective sampling of the request (policy.RequestInfo.sampling),
+    `vocab_size` the real vocabulary the values were computed over (the width of vLLM's logits) and
+    `contract_version` the contract they follow, so that `fused-logp audit` needs neither as an option."""
     h = hidden.detach().cpu()
     t, i, lp = temperature.cpu().tolist(), ids.cpu().tolist(), logp.cpu().tolist()
     for r in range(len(i)):
@@ -258,4 +261,5 @@ def capture(st, hidden, temperature, ids, logp, req_ids, kind, programs=None, *,
             "program": prog,                      # TransformProgram.to_dict() the values are under, or None
             "logprobs_mode": mode,
             "sampling": None if info is None else info.sampling,
+            "vocab_size": vocab_size, "contract_version": CONTRACT_VERSION,
         })
