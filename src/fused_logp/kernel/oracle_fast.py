@@ -247,10 +247,10 @@ class OracleFastBackend:
 
 
 def contract_ex2(x: np.ndarray) -> np.ndarray:
-    """The compiled contract exp2 on a binary32 array (tests compare it with transcendentals.contract_ex2)."""
+    """The compiled contract exp2 on a binary32 array (tests compare it with numpy_contract.contract_ex2)."""
     return extension().contract_ex2(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
 
 
 def contract_log(x: np.ndarray) -> np.ndarray:
-    """The compiled contract log on a binary32 array (tests compare it with transcendentals.contract_log)."""
+    """The compiled contract log on a binary32 array (tests compare it with numpy_contract.contract_log)."""
     return extension().contract_log(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
