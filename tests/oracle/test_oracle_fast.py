@@ -411,7 +411,7 @@ def test_panel_decode_equals_the_scalar_decode(gen):
 
 # --- the H200's bytes (tests/data/edges-h200.npz, every edge class of CONTRACT.md section 2) ----------------------
 
-_H200 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "edges-h200.npz")
+_H200 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "edges-h200.npz")
 _H200_CASES = sorted({k.split("__")[0] for k in np.load(_H200).files}) if os.path.exists(_H200) else []
 
 

@@ -16,7 +16,7 @@ from fused_logp.shared_contract import constants as C
 from fused_logp.shared_contract import ex2_table
 
 MAX_ULP = 2.0
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tool():
