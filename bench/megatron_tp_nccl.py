@@ -3,7 +3,7 @@ and lse equal the TP=1 bytes at the Qwen3-8B lm_head shape (hidden 4096, vocabul
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/megatron_tp_nccl.py [--out DIR]   (make test-megatron-gpu)
 
-Each rank builds the same GPTModel as tests/test_megatron_gpu.py (one Qwen3-style layer, Megatron's local spec,
+Each rank builds the same GPTModel as tests/megatron/test_megatron_model.py (one Qwen3-style layer, Megatron's local spec,
 bf16) with tensor_model_parallel_size=2, the plugin on (`--logp-backend contract`, T=0.7, real vocabulary
 151936), and checks, tied and untied:
   * the TP=2 plugin's logp/lse [b, s] (each rank's 76032-row lm_head shard, tile statistics all-gathered) equal

@@ -4,7 +4,7 @@ For every case of tests/edge_inputs.py (two seeds; 64 rows x 256 columns, K = 16
 `linear_logp(backend="sm90", return_logits=True)` at T = 1 and at a per-row temperature tensor, and cuBLAS's bf16
 GEMM with FP32 output (`torch.mm(h, w.t(), out_dtype=torch.float32)`), saves inputs and output bytes to
 OUT/edges.npz and prints per edge class how many logits agree bit for bit (and NaN-for-NaN) between kernel and
-cuBLAS. The oracle is compared with these bytes on the CPU (tests/test_contract_edges.py).
+cuBLAS. The oracle is compared with these bytes on the CPU (tests/contract/test_contract_edges.py).
 
     PYTHONPATH=src:tests python -P bench/probe_edges.py --out OUT
     python bench/probe_edges.py --extract OUT/edges.npz --to tests/data/edges-h200.npz   (the committed subset)

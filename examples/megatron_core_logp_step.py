@@ -15,7 +15,7 @@ Everything else is the usual script: `loss_func` keeps Megatron's own NaN / Inf 
 `--logp-backend` the script trains exactly as Megatron does; with `--logp-backend contract --logp-vocab-size V`
 the per-token loss `-logp` comes from the contract op (no [tokens, vocab] logits, padding rows excluded).
 
-tests/test_megatron_example.py drives `forward_step` through megatron-core's own `get_forward_backward_func()` with
+tests/megatron/test_megatron_example.py drives `forward_step` through megatron-core's own `get_forward_backward_func()` with
 the flag on and off (megatron-core 0.16.1 on CPU).
 """
 from __future__ import annotations

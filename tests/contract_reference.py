@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from fused_logp.kernel.transcendentals import LOG2E, contract_ex2, contract_log
+from fused_logp.shared_contract.numpy_contract import LOG2E, contract_ex2, contract_log
 
 F32 = np.float32
 

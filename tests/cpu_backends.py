@@ -20,6 +20,6 @@ def configured() -> str:
 def hopper_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """z = hidden @ weight.T under the Hopper k16 rule (CONTRACT.md section 2) on the configured CPU backend."""
     if configured() == "oracle":
-        from fused_logp.kernel.oracle import hopper_logits as numpy_logits
+        from fused_logp.shared_contract.gemm_rule import hopper_logits as numpy_logits
         return numpy_logits(hidden, weight)
     return get_backend("oracle-fast").logits(hidden, weight, weight.shape[0])

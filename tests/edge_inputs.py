@@ -4,8 +4,8 @@ Each case draws hidden [N, K] and weight [V, K] bf16 from a seeded numpy generat
 the exponents land where the class needs them: subnormal operands, subnormal sums, exact cancellation, products
 that truncate to zero (the sign of zero), overflow inside one k16 group and across groups, an infinite
 accumulator fed into the next group, non-finite inputs, and bit patterns spread over the whole exponent range.
-Used by bench/probe_edges.py (bytes captured on the H200), tests/test_contract_edges.py and
-tests/test_edges_gpu.py.
+Used by bench/probe_edges.py (bytes captured on the H200), tests/contract/test_contract_edges.py and
+tests/contract/test_contract_edges_gpu.py.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ GlobalMemoryBuffer scratch tensor, the CUDA RNG tracker, the default causal mask
 else of Megatron is replaced. The tiny CPU model below uses learned absolute positions and an explicit CPU
 causal mask (causal_mask). Apex/TE are absent, so Megatron's local spec uses torch norms (which do not allow
 sequence parallelism); the sequence-parallel path of the plugin is therefore exercised at the output-processor
-level. On CUDA (tests/test_megatron_gpu.py, bench/megatron_tp_nccl.py) nothing is shimmed: NCCL, Megatron's own
+level. On CUDA (tests/megatron/test_megatron_model.py, bench/megatron_tp_nccl.py) nothing is shimmed: NCCL, Megatron's own
 CUDA RNG tracker, mask, RoPE and GlobalMemoryBuffer run as in training.
 """
 from __future__ import annotations
@@ -231,7 +231,7 @@ def fp32_reference_grads(h2, w, targets, rows_mask, temperature, real_vocab, c_l
 
 def grad_close(got, ref, tol: float = 2 ** -6):
     """(ok, max |got - ref|, relative norm error): |got - ref| <= tol * (|ref| + max|ref|) elementwise and
-    ||got - ref|| <= tol * ||ref||. tol = 2^-6 as tests/test_backward_gpu.py: the op's CUDA backward feeds dz to
+    ||got - ref|| <= tol * ||ref||. tol = 2^-6 as tests/backward/test_backward_gpu.py: the op's CUDA backward feeds dz to
     its GEMMs in bf16 (relative 2^-9) and stores bf16 gradients (2^-9); the FP32 reference's logits differ from
     the contract's only in GEMM rounding (far below that)."""
     got, ref = got.float(), ref.float()

@@ -1,7 +1,7 @@
 """The one constants header both compiled implementations include (kernel/csrc/contract_constants.h): the CUDA
 extension (kernel/csrc/contract_math.cuh) and the compiled CPU oracle (kernel/cpu/oracle_cpu.cpp).
 
-It is generated from shared_contract/constants.py and committed; tests/test_contract_header.py checks that it is
+It is generated from shared_contract/constants.py and committed; tests/sm90/test_sm90_compile.py checks that it is
 current. Regenerate with `python -m fused_logp.kernel.contract_header --write`.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`weight_fingerprint`: the lm_head fingerprint of shared_contract/fingerprint.py, computed by the device backend's
 row-hash entry on an SM90 GPU (one pass over the weight) and by the definition's torch integer ops elsewhere; the
-two give the same bytes (tests/test_fingerprint_gpu.py)."""
+two give the same bytes (tests/contract/test_fingerprint_gpu.py)."""
 from __future__ import annotations
 
 import torch

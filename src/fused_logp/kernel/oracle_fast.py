@@ -27,7 +27,7 @@ Name and default: a separate name, `oracle-fast`, beside `oracle` (the numpy ref
 entry and its role as the readable definition). It is what `auto` selects for CPU inputs (kernel/backends.py), and
 the audit's default: every contract test runs on both CPU backends (the `cpu_backend` fixture of tests/conftest.py:
 the contract sentences, the GEMM rule against an exact transcription, every edge sentence and the H200's captured
-bytes, the golden fingerprints, the transform program, the backward, the refusals), and tests/test_oracle_fast.py
+bytes, the golden fingerprints, the transform program, the backward, the refusals), and tests/oracle/test_oracle_fast.py
 compares the two directly on every edge class, on both of its GEMM paths.
 
 The build is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); it is compiled with
@@ -247,10 +247,10 @@ class OracleFastBackend:
 
 
 def contract_ex2(x: np.ndarray) -> np.ndarray:
-    """The compiled contract exp2 on a binary32 array (tests compare it with transcendentals.contract_ex2)."""
+    """The compiled contract exp2 on a binary32 array (tests compare it with numpy_contract.contract_ex2)."""
     return extension().contract_ex2(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
 
 
 def contract_log(x: np.ndarray) -> np.ndarray:
-    """The compiled contract log on a binary32 array (tests compare it with transcendentals.contract_log)."""
+    """The compiled contract log on a binary32 array (tests compare it with numpy_contract.contract_log)."""
     return extension().contract_log(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()

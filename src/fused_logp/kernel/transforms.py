@@ -12,12 +12,13 @@ treated exactly like padding. A target outside the kept set cannot have been sam
 
 The trainer side works in bounded chunks of rows ([rows_per_chunk, V] FP32 logits at a time), never [N, V].
 Two implementations give the same bytes (NaN payloads aside, which the contract does not fix):
-  numpy   the reference (kept_set and the oracle's tile_stats / row_lse), on the host: the default for CPU logits;
+  numpy   the reference (shared_contract/numpy_contract.py: kept_set, program_logp), on the host: the default
+          for CPU logits;
   torch   the same operations as torch ops on the logits' device: the default for CUDA logits (see the comment
           at the torch path below for how each step stays exact). On an SM90 GPU the two sequential steps (the row
           merge, the top-p sum) run in the SM90 extension's kernels; elsewhere on the host.
-`path='numpy'|'torch'` forces either one (tests/test_transforms.py compares them byte for byte on CPU,
-tests/test_transforms_gpu.py on the H200).
+`path='numpy'|'torch'` forces either one (tests/transforms/test_transforms.py compares them byte for byte on CPU,
+tests/transforms/test_transforms_gpu.py on the H200).
 
 Rows with a non-finite logit follow the rules literally: a non-finite z' inside a set whose statistics are taken
 makes them NaN, one outside it is padding. top-k orders NaN last and -inf below every finite value (so k below
@@ -35,8 +36,8 @@ import torch
 
 from ..shared_contract.constants import TRANSFORM_PROGRAM_VERSION, VOCAB_TILE
 from ..shared_contract.errors import ContractInputError
-from .oracle import row_lse, selected_logp, tile_stats
-from .transcendentals import LOG2E, contract_ex2, contract_ex2_torch, contract_log
+from ..shared_contract.numpy_contract import LOG2E, contract_log, kept_set, program_logp, row_lse
+from .transcendentals import contract_ex2_torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,63 +73,19 @@ class TransformProgram:
                 and (self.min_p is None or self.min_p <= 0.0))
 
 
-def _lse_over(z: np.ndarray, t: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    tmax, tsum, _ = tile_stats(z, t, z.shape[1], keep=keep)
-    return row_lse(tmax, tsum)
-
-
-def _scaled(z: np.ndarray, temperature) -> np.ndarray:
-    with np.errstate(invalid="ignore", over="ignore"):
-        return (z / np.float32(temperature)).astype(np.float32)
-
-
-def kept_set(z: np.ndarray, program: TransformProgram) -> np.ndarray:
-    """z [N, V] fp32 unscaled logits -> keep [N, V] bool (sections 13.2-13.4; decisions on z' = div(z, T))."""
-    zs = _scaled(z, program.temperature)
-    n, v = zs.shape
-    keep = np.ones((n, v), dtype=bool)
-    order = np.argsort(-zs, axis=1, kind="stable")                         # z' descending, id ascending
-    rows = np.arange(n)[:, None]
-    if program.top_k is not None and program.top_k < v:
-        keep[rows, order[:, program.top_k:]] = False
-    if program.top_p is not None and program.top_p < 1.0:
-        lse_k = _lse_over(z, np.full(n, np.float32(program.temperature), dtype=np.float32), keep)
-        with np.errstate(invalid="ignore", over="ignore"):
-            arg = ((zs - lse_k[:, None]).astype(np.float32) * LOG2E).astype(np.float32)
-            q = contract_ex2(np.where(keep, arg, np.float32(-np.inf)))
-        q = q[rows, order]                                                 # in (z' desc, id asc) order
-        c = np.cumsum(q, axis=1, dtype=np.float32)                         # one binary32 add per step, in order
-        reach = c >= np.float32(program.top_p)
-        first = np.where(reach.any(axis=1), reach.argmax(axis=1), v - 1)
-        drop = np.arange(v)[None, :] > first[:, None]
-        keep[rows, order] &= ~drop
-    if program.min_p is not None and program.min_p > 0.0:
-        m = np.where(keep, zs, np.float32(-np.inf)).max(axis=1)
-        thr = contract_log(np.float32(program.min_p))
-        with np.errstate(invalid="ignore"):
-            keep &= (zs - m[:, None]).astype(np.float32) >= thr
-    return keep
-
-
 def _program_numpy(logits, tg, program, v, rows_per_chunk, keep_out=None):
     """The numpy path (the reference): logp [tg.shape], lse [N], in_set [tg.shape] as numpy arrays (and the kept
     set into keep_out [N, V] bool when given)."""
     n = logits.shape[0]
-    t32 = np.float32(program.temperature)
     logp = np.empty(tg.shape, dtype=np.float32)
     lse = np.empty(n, dtype=np.float32)
     in_set = np.empty(tg.shape, dtype=bool)
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(n, r0 + rows_per_chunk)
         z = logits[r0:r1, :v].detach().cpu().numpy().astype(np.float32)
-        keep = kept_set(z, program)
+        logp[r0:r1], lse[r0:r1], in_set[r0:r1], keep = program_logp(z, tg[r0:r1], program)
         if keep_out is not None:
             keep_out[r0:r1] = keep
-        tmax, tsum, zs = tile_stats(z, np.full(r1 - r0, t32, dtype=np.float32), v, keep=keep)
-        rows = np.arange(r1 - r0) if tg.ndim == 1 else np.arange(r1 - r0)[:, None]
-        lse[r0:r1] = row_lse(tmax, tsum)
-        logp[r0:r1] = selected_logp(zs[rows, tg[r0:r1]], lse[r0:r1])
-        in_set[r0:r1] = keep[rows, tg[r0:r1]]
     return logp, lse, in_set
 
 
@@ -142,8 +99,9 @@ def _kept_mask_numpy(logits, program, v):
 #
 # Every elementwise step is one torch op (one correctly rounded binary32 operation per element, or exact
 # integer/bit/select work), so CPU and CUDA give the numpy path's bits (the contract's exp/log: the torch
-# versions in transcendentals.py). The two sequential steps run where they are exact:
-#   the row merge (section 5)       CUDA: the SM90 extension's merge kernel; elsewhere oracle.row_lse on the host;
+# versions in kernel/transcendentals.py). The two sequential steps run where they are exact:
+#   the row merge (section 5)       CUDA: the SM90 extension's merge kernel; elsewhere numpy_contract.row_lse on
+#                                   the host;
 #   the top-p sum (section 13.3)    CUDA: the SM90 extension's topp_crossing kernel (one warp per row, one
 #                                   binary32 add per step, in order, stopping at the crossing); elsewhere
 #                                   numpy's sequential float32 cumsum on the host.
@@ -277,7 +235,8 @@ def _tile_stats_torch(z: torch.Tensor, keep: torch.Tensor | None, t_vec: torch.T
 
 
 def _row_lse_torch(tmax: torch.Tensor, tsum: torch.Tensor, be) -> torch.Tensor:
-    """Section 5's lse [R] from [R, nt] statistics: the device backend's merge on CUDA, oracle.row_lse elsewhere."""
+    """Section 5's lse [R] from [R, nt] statistics: the device backend's merge on CUDA, numpy_contract.row_lse
+    elsewhere."""
     if be is not None:
         return be.merge_stats(tmax, tsum, torch.zeros(tmax.shape[0], dtype=torch.float32, device=tmax.device))[1]
     return torch.from_numpy(row_lse(tmax.cpu().numpy(), tsum.cpu().numpy())).to(tmax.device)

@@ -17,7 +17,7 @@ import pytest
 
 from fused_logp.kernel import extension_build as eb
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 SCRIPT = textwrap.dedent("""
     import json, logging, os, sys, time

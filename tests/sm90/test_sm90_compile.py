@@ -15,7 +15,7 @@ import pytest
 
 from fused_logp.shared_contract import constants as C
 
-CSRC = Path(__file__).resolve().parents[1] / "src" / "fused_logp" / "kernel" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "src" / "fused_logp" / "kernel" / "csrc"
 HEADER = CSRC / "contract_math.cuh"
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from fused_logp.kernel.oracle import row_lse, selected_logp, tile_stats
+from fused_logp.shared_contract.numpy_contract import row_lse, selected_logp, tile_stats
 
 U = 2.0 ** -24
 

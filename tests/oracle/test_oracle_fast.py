@@ -1,8 +1,9 @@
 """The compiled CPU oracle (`oracle-fast`) against the numpy oracle, byte for byte, on every input class.
 
-The numpy oracle (kernel/oracle.py) is the reference: every comparison calls its functions at test time, so the
-compiled one follows its current rule. NaN payloads are not part of the contract (same_bytes: NaN matches NaN);
-every other byte, signed zeros included, must be equal.
+The numpy oracle (kernel/oracle.py, over shared_contract/gemm_rule.py and shared_contract/numpy_contract.py) is the
+reference: every comparison calls its functions at test time, so the compiled one follows its current rule. NaN
+payloads are not part of the contract (same_bytes: NaN matches NaN); every other byte, signed zeros included, must
+be equal.
 """
 import os
 
@@ -13,11 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fused_logp import linear_logp, logp_from_logits, merge_shard_stats, shard_tile_stats
-from fused_logp.kernel import oracle as ref
+from fused_logp.kernel.oracle import OracleBackend
 from fused_logp.kernel import oracle_fast as fast
 from fused_logp.kernel.backends import get_backend
-from fused_logp.kernel.transcendentals import contract_ex2, contract_log
 from fused_logp.shared_contract import constants as C
+from fused_logp.shared_contract import gemm_rule, numpy_contract
+from fused_logp.shared_contract.numpy_contract import contract_ex2, contract_log
 
 from helpers import same_bytes
 
@@ -116,7 +118,7 @@ def _near_overflow(gen, n, v, d):
 def test_logits_equal_numpy_oracle_on_every_class(gen, path, shape):
     n, v, d = shape
     for name, h, w in _classes(gen, n, v, d):
-        want = ref.hopper_logits(h, w)
+        want = gemm_rule.hopper_logits(h, w)
         got = FAST.logits(h, w, v)
         bad = _logit_mismatches(got, want)
         assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.numel()} logits differ; first at "
@@ -125,7 +127,7 @@ def test_logits_equal_numpy_oracle_on_every_class(gen, path, shape):
 
 def test_logits_on_transient_overflow(gen, path):
     h, w = _near_overflow(gen, 2, 40, 64)
-    assert not _logit_mismatches(FAST.logits(h, w, 40), ref.hopper_logits(h, w)).any()
+    assert not _logit_mismatches(FAST.logits(h, w, 40), gemm_rule.hopper_logits(h, w)).any()
 
 
 def test_vector_and_scalar_paths_agree_on_bit_patterns(gen):
@@ -177,10 +179,10 @@ def test_stats_and_merge_equal_numpy_oracle(gen, v, temp):
     temps = torch.full((7,), temp)
     temps[1] = 1e-30                                   # z / T overflows to inf: that tile is NaN
     tgt = torch.randint(0, v, (7, 3), generator=gen)
-    want = ref.OracleBackend().stats_from_logits(z, tgt, temperature=temps, vocab_size=v)
+    want = OracleBackend().stats_from_logits(z, tgt, temperature=temps, vocab_size=v)
     got = FAST.stats_from_logits(z, tgt, temperature=temps, vocab_size=v)
     assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
-    tmax, tsum, _ = ref.tile_stats(z.numpy(), temps.numpy(), v)
+    tmax, tsum, _ = numpy_contract.tile_stats(z.numpy(), temps.numpy(), v)
     ftmax, ftsum = fast.extension().tile_stats(z, temps, v)
     assert same_bytes(ftsum, torch.from_numpy(tsum))
     # the sign of a zero tile maximum is not fixed by numpy's max reduction and changes no later bit
@@ -194,7 +196,7 @@ def test_shard_stats_equal_numpy_oracle(gen, path):
     temp = torch.tensor([0.7, 1.0, 1.3, 2.0, 0.5])
     bias = torch.randn(320, generator=gen)
     kw = dict(vocab_start=320, vocab_size=640, bias=bias, temperature=temp, return_logits=True)
-    want = ref.OracleBackend().shard_stats(h, w[320:640], t, **kw)
+    want = OracleBackend().shard_stats(h, w[320:640], t, **kw)
     got = FAST.shard_stats(h, w[320:640], t, **kw)
     for key in ("tile_sum", "target_logit", "logits"):
         assert same_bytes(got[key], want[key]), key
@@ -409,7 +411,7 @@ def test_panel_decode_equals_the_scalar_decode(gen):
 
 # --- the H200's bytes (tests/data/edges-h200.npz, every edge class of CONTRACT.md section 2) ----------------------
 
-_H200 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "edges-h200.npz")
+_H200 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "edges-h200.npz")
 _H200_CASES = sorted({k.split("__")[0] for k in np.load(_H200).files}) if os.path.exists(_H200) else []
 
 

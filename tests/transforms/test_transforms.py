@@ -132,10 +132,11 @@ def test_several_ids_per_row_equal_one_id_calls(gen):
 # The torch path (the device implementation, run here on CPU tensors) gives the numpy path's bytes.
 # ---------------------------------------------------------------------------------------------------------
 
-from fused_logp.kernel import oracle, transforms  # noqa: E402
+from fused_logp.kernel import transforms  # noqa: E402
 from fused_logp.kernel.sm90 import SM90Backend  # noqa: E402
-from fused_logp.kernel.transcendentals import (contract_ex2, contract_ex2_torch, contract_log,  # noqa: E402
-                                                contract_log_torch)
+from fused_logp.kernel.transcendentals import contract_ex2_torch, contract_log_torch  # noqa: E402
+from fused_logp.shared_contract import numpy_contract  # noqa: E402
+from fused_logp.shared_contract.numpy_contract import contract_ex2, contract_log  # noqa: E402
 
 
 
@@ -206,7 +207,7 @@ class FakeSM90:
         self._f32(tile_max, 2), self._f32(tile_sum, 2), self._f32(target_logit, 1), self._f32(logp, 1), self._f32(lse, 1)
         n = tile_max.shape[0]
         assert tile_max.shape == tile_sum.shape and tile_max.shape[1] >= 1 and target_logit.numel() == logp.numel() == lse.numel() == n
-        lp, ls = oracle.merge(tile_max.numpy(), tile_sum.numpy(), target_logit.numpy())
+        lp, ls = numpy_contract.merge(tile_max.numpy(), tile_sum.numpy(), target_logit.numpy())
         logp.copy_(torch.from_numpy(lp))
         lse.copy_(torch.from_numpy(ls))
 
@@ -219,7 +220,7 @@ class FakeSM90:
         assert targets.dtype == torch.int64 and targets.is_contiguous() and targets.numel() == n
         self._f32(temperature, 1), self._f32(tile_max, 2), self._f32(tile_sum, 2)
         assert temperature.numel() == n and tile_max.shape == tile_sum.shape == (n, nt) and target_logit.numel() == n
-        tm, ts, zs = oracle.tile_stats(logits.numpy()[:, :vocab_size], temperature.numpy(), vocab_size)
+        tm, ts, zs = numpy_contract.tile_stats(logits.numpy()[:, :vocab_size], temperature.numpy(), vocab_size)
         tile_max.copy_(torch.from_numpy(tm))
         tile_sum.copy_(torch.from_numpy(ts))
         target_logit.copy_(torch.from_numpy(zs[np.arange(n), targets.numpy()]))

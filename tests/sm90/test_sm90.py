@@ -109,7 +109,7 @@ def test_constants_checked_at_build(be):
 
 
 def test_device_ex2_log_match_cpu(be, gen):
-    from fused_logp.kernel.transcendentals import contract_ex2, contract_log
+    from fused_logp.shared_contract.numpy_contract import contract_ex2, contract_log
     bits = torch.randint(0, 2**32, (1 << 22,), generator=gen, dtype=torch.int64).to(torch.uint32)
     x = bits.view(torch.float32)
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45,
@@ -234,7 +234,7 @@ def test_oracle_small_shapes(be, oracle, cgen, n, d, v_rows, v, bias):
 def test_oracle_full_size_sampled_rows(be, oracle, cgen):
     """D=4096, V=151936: logits of every row equal cuBLAS; 2 rows x 1024 sampled columns through the oracle
     GEMM; the statistics and merge of 64 rows through the oracle's numpy code over the kernel's logits."""
-    from fused_logp.kernel.oracle import merge, tile_stats
+    from fused_logp.shared_contract.numpy_contract import merge, tile_stats
     n, d, v = 256, 4096, 151936
     h, w, t, _ = make_inputs(cgen, n, d, v)
     tg = targets_for(cgen, n, v)
@@ -247,7 +247,7 @@ def test_oracle_full_size_sampled_rows(be, oracle, cgen):
     tl = zs[np.arange(len(rows)), tg.cpu()[rows].numpy()]
     rl, rs = merge(tmax, tsum, tl)
     assert beq(logp.cpu()[rows], torch.from_numpy(rl)) and beq(lse.cpu()[rows], torch.from_numpy(rs))
-    from fused_logp.kernel.oracle import hopper_logits
+    from fused_logp.shared_contract.gemm_rule import hopper_logits
     two = rows[:2].cuda()
     cols = torch.randperm(v, generator=cgen, device="cuda")[:1024]
     cols[:4] = torch.tensor([0, 63, 64, v - 1], device="cuda")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 
 
@@ -196,3 +196,77 @@ def test_sm90_backend_class_holds_no_auxiliary_kernel_or_test_hook():
     assert {"tile_stats_from_logits", "topp_crossing", "backward_dz", "fingerprint_rows"} <= moved
     assert not methods & moved, methods & moved
     assert "fused_logp.kernel.sm90" not in _imports(KERNEL / "sm90_aux.py")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the contract's arithmetic: shared_contract/numpy_contract.py (numpy binary32, sections 3-6 and 13) and
+# shared_contract/gemm_rule.py (section 2); the backends and the program call it, none defines it again
+# ---------------------------------------------------------------------------------------------------------
+
+SHARED = SRC / "fused_logp" / "shared_contract"
+# Each arithmetic room and what it may import: the contract's constants and exp2 table, numpy or torch, nothing else.
+ARITHMETIC_ROOMS = {"numpy_contract": {"numpy", "fused_logp.shared_contract.constants",
+                                       "fused_logp.shared_contract.ex2_table"},
+                    "gemm_rule": {"torch", "fused_logp.shared_contract.constants"}}
+
+
+def _defined_functions(path: Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text(), str(path)).body if isinstance(n, ast.FunctionDef)}
+
+
+def _statement_modules(path: Path) -> set[str]:
+    """The modules `path`'s import statements load: `import a.b` and `from a.b import c` give a.b; a relative
+    `from . import c` gives the package's c."""
+    package = _module_name(path).rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if not node.level:
+                out.add(node.module)
+                continue
+            base = ".".join(package.split(".")[:len(package.split(".")) - (node.level - 1)])
+            out.update([f"{base}.{node.module}"] if node.module else [f"{base}.{a.name}" for a in node.names])
+    return out
+
+
+@pytest.mark.parametrize("room", sorted(ARITHMETIC_ROOMS))
+def test_contract_arithmetic_imports_only_constants_and_the_table(room):
+    bad = sorted(_statement_modules(SHARED / f"{room}.py") - ARITHMETIC_ROOMS[room] - {"__future__"})
+    assert not bad, f"shared_contract/{room}.py imports {bad}; its room takes only {sorted(ARITHMETIC_ROOMS[room])}"
+
+
+def test_contract_layer_below_the_arithmetic_does_not_import_it():
+    """constants, errors, config, provenance, the table, sampling and the fingerprint definition stand below the
+    arithmetic rooms: none of them imports one."""
+    rooms = {f"fused_logp.shared_contract.{r}" for r in ARITHMETIC_ROOMS}
+    for path in _modules("fused_logp.shared_contract"):
+        if path.stem in ARITHMETIC_ROOMS:
+            continue
+        bad = sorted(_imports(path) & rooms)
+        assert not bad, f"shared_contract/{path.name} imports {bad}"
+
+
+def test_contract_arithmetic_is_defined_once():
+    """The arithmetic's functions are defined in its two rooms only: kernel/oracle.py is the backend around them,
+    kernel/transforms.py's numpy path calls them, kernel/transcendentals.py holds the torch versions (*_torch).
+    The compiled oracle's module wraps its extension's exp2 and log under the same names (they call C++); `merge`
+    and `scaled` are also ordinary words (kernel/execute.py's merge runs a backend's merge entry)."""
+    names = set().union(*(_defined_functions(SHARED / f"{r}.py") for r in ARITHMETIC_ROOMS))
+    assert {"contract_ex2", "contract_log", "row_scale", "tile_stats", "row_lse", "selected_logp", "merge",
+            "kept_set", "program_logp", "hopper_logits"} <= names
+    names -= {"merge", "scaled"}
+    wrappers = {"oracle_fast.py": {"contract_ex2", "contract_log"}}
+    for path in _modules("fused_logp"):
+        if path.parent == SHARED and path.stem in ARITHMETIC_ROOMS:
+            continue
+        again = (_defined_functions(path) & names) - wrappers.get(path.name, set())
+        assert not again, f"{path.relative_to(SRC)} defines {sorted(again)} again: call shared_contract's"
+
+
+def test_numpy_oracle_is_a_backend_only():
+    tree = ast.parse((KERNEL / "oracle.py").read_text())
+    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    public = sorted(n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_"))
+    assert classes == ["OracleBackend"] and not public, (classes, public)

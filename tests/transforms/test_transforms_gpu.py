@@ -8,7 +8,8 @@ import torch
 from fused_logp import linear_logp
 from fused_logp.kernel import transforms
 from fused_logp.kernel.op import linear_logp_program
-from fused_logp.kernel.transcendentals import contract_ex2, contract_ex2_torch, contract_log, contract_log_torch
+from fused_logp.kernel.transcendentals import contract_ex2_torch, contract_log_torch
+from fused_logp.shared_contract.numpy_contract import contract_ex2, contract_log
 from fused_logp.kernel.transforms import TransformProgram, kept_mask, program_logp_from_logits
 
 from helpers import same_bytes

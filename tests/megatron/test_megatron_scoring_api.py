@@ -1,5 +1,5 @@
 """The public RL scoring API (fused_logp.megatron_plugin.score / score_hidden_states) on a real megatron-core
-GPTModel, world size 1 on CPU. Its TP=2 checks run in tests/test_megatron_plugin_dist.py's spawned world."""
+GPTModel, world size 1 on CPU. Its TP=2 checks run in tests/megatron/test_megatron_plugin_dist.py's spawned world."""
 from __future__ import annotations
 
 import warnings

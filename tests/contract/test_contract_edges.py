@@ -25,7 +25,7 @@ from helpers import same_bytes
 from fused_logp import linear_logp
 from fused_logp.shared_contract import constants as C
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "edges-h200.npz")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "edges-h200.npz")
 _data = np.load(DATA)
 CAPTURED = sorted({k.split("__")[0] for k in _data.files})
 on_cpu_backends = pytest.mark.usefixtures("cpu_backend")

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: vllm_helpers
 from vllm_helpers import captured_floats, lm_head_weight, shared_llm, shared_tiny_model  # noqa: E402
 
 from fused_logp import linear_logp  # noqa: E402

@@ -20,7 +20,7 @@ import megatron_shims as ms  # noqa: E402
 import fused_logp  # noqa: E402
 from fused_logp import megatron_plugin as mp  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PADDED, REAL, B, S, D, MICRO = 512, 500, 2, 8, 64, 2
 
 

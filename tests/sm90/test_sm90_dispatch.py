@@ -1,5 +1,5 @@
 """The configuration "auto" picks for a row count (CPU: the rule only; the bytes are the same for every configuration,
-which tests/test_sm90.py checks on the GPU)."""
+which tests/sm90/test_sm90.py checks on the GPU)."""
 import pytest
 
 from fused_logp.kernel import sm90

