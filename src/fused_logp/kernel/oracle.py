@@ -1,9 +1,8 @@
 """The CPU oracle of the contract: the same arithmetic as the SM90 kernel, bit for bit, GEMM included.
 
-GEMM: `hopper_logits` (its docstring is the rule, step by step; CONTRACT.md section 2 with the erratum of
-2026-12-01). Every aligned term is an integer below 2^28 and the 17-term sum is below 2^33, so float64 holds
-every intermediate exactly: the emulation uses float64 tensors with trunc(), which is integer arithmetic in
-disguise and vectorises over [rows, cols, 16].
+GEMM: `hopper_logits` (its docstring is the rule, step by step; CONTRACT.md section 2). Every aligned term is an
+integer below 2^28 and the 17-term sum is below 2^33, so float64 holds every intermediate exactly: the emulation
+uses float64 tensors with trunc(), which is integer arithmetic in disguise and vectorises over [rows, cols, 16].
 
 Statistics (CONTRACT.md sections 3-5) run in numpy binary32, one rounded operation per step.
 """
