@@ -240,8 +240,8 @@ peer-wheels:
 # the pins and why each is there are in tools/vllm_gpu_parts.sh, set quack) for `make bench-gpu` on the SM90 machine:
 # `make peer-parts` here downloads the cp312 manylinux wheels (and Liger's and CCE's, peer-wheels) and cuts them into
 # parts of <= 57 MiB under build/quack-gpu/partNN. There, one command per part, back to back (the machine keeps /tmp
-# only while warm), the last one carrying build/wheels too and running the benchmarks (bench/NOTES-sm90.md, "QuACK peer:
-# how to run"):
+# only while warm), the last one carrying build/wheels too and running the benchmarks (docs/gpu-machine.md,
+# "Peers"):
 #   carry ["build/quack-gpu/part01"]                  bash build/quack-gpu/part01/vstash.sh
 #   carry ["build/quack-gpu/part02", "build/wheels"]  bash build/quack-gpu/part02/vstash.sh --final && make bench-gpu OUT=$OUT
 # `make peer-parts-check` joins, verifies and installs the parts here into build/quack-check (--no-deps, no import)
@@ -298,7 +298,7 @@ clean:
 # vllm==0.26.0 and the import-time requirements the H200 image lacks (pinned in tools/vllm_gpu_parts.sh), slims the
 # vLLM wheel (FA3 kept; dense models on Hopper only) and cuts everything into parts under build/vllm-gpu/partNN.
 # There, one command per part, back to back (the machine keeps /tmp only while warm), the last one running
-# `make vllm-gpu` (docs/vllm.md, "GPU runs"):
+# `make vllm-gpu` (docs/gpu-machine.md, "vLLM"):
 #   carry ["build/vllm-gpu/part01"]  bash build/vllm-gpu/part01/vstash.sh
 #   carry ["build/vllm-gpu/part02"]  bash build/vllm-gpu/part02/vstash.sh --final && make vllm-gpu OUT=$OUT
 # The library there is the working tree's src/, which travels with every call. While others have uncommitted

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One call on the H200 for the forward kernel (bench/NOTES-sm90.md): build the extension (FUSED_LOGP_PTXAS=1: with
+# One call on the H200 for the forward kernel (docs/design/sm90-kernel.md): build the extension (FUSED_LOGP_PTXAS=1: with
 # the ptxas resource report of every kernel), a smoke run of every launch configuration, GPU tests (TESTS: "make" =
 # `make test-gpu`, "none", or pytest arguments; TESTS_K: their -k expression), the forward benchmark at the issue's sizes with cuBLAS, Liger and CCE
 # in the same run (their wheels in build/wheels, `make peer-wheels`; BENCH=0 skips it), and compute-sanitizer

@@ -8,11 +8,11 @@ it and count the instructions of its two FULL_K forward kernels (without and wit
 tile, every row real, no bias, no logits, the fast exp, the target elsewhere; at T = 1 (`t1`) and at T != 1 (`t07`,
 the division guard passing). Each conditional branch is decided by the source `if` it belongs to (which side
 holds its block, by the first instruction of stats_epilogue.cuh after it); a branch of another line takes the side
-without a slow-path CALL. Predicated instructions count as issued. This is the per-item figure the NOTES' predictions
-use (instructions a logit = the count / 32).
+without a slow-path CALL. Predicated instructions count as issued. This is the per-item figure (instructions a logit
+= the count / 32) that predicts an epilogue change's cost (docs/design/sm90-kernel.md).
 
 --loop also prints the item loop (the backward branch of stats_epilogue.cuh's loop) by source line, one column a
-translation unit, with the line's text: the table the NOTES' per-item counts were read from. Which lines are on the
+translation unit, with the line's text: the table the per-item counts are read from. Which lines are on the
 common path (and which are cold: the bias, the logits, `__fdiv_rn`'s fallback, the non-fast exp, the target search)
 is for the reader to judge; a line that serves both exp paths (contract_math.cuh's exp_reduce) counts twice.
 

@@ -1,5 +1,5 @@
 """The vLLM plugin on an SM90 GPU with real vLLM (0.26 on the H200 image): correctness per model runner and mode,
-and decode throughput with the plugin on and off (docs/vllm.md, "GPU runs").
+and decode throughput with the plugin on and off (docs/gpu-machine.md, "vLLM").
 
     python bench/vllm_gpu.py all --out OUTDIR          # everything below; OUTDIR/vllm-gpu.json + per-part logs
 

@@ -29,20 +29,21 @@ _TILE = C.VOCAB_TILE
 # Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by the name the
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
 # of them, chosen by row count. With return_logits, cta-128x256's producer warpgroup stores the logits while its
-# consumer warps compute the statistics; the 64-row configurations store them from the items (bench/NOTES-sm90.md).
+# consumer warps compute the statistics; the 64-row configurations store them from the items
+# (docs/design/sm90-kernel.md).
 LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128")
 
 
-# H200 A/B (bench/NOTES-sm90.md, "Small N"): 64x256 ahead at 160, 192 and 320 rows (odd 64-row tile counts), level
-# at 448, behind at 576.
+# H200 A/B (docs/design/sm90-kernel.md, "Small N"): 64x256 ahead at 160, 192 and 320 rows (odd 64-row tile
+# counts), level at 448, behind at 576.
 SMALL_ODD_MAX = 320
 
 
 def auto_launch(n_rows: int) -> str:
-    """The configuration "auto" runs for a call of n_rows rows (figures in bench/NOTES-sm90.md, "Small N"): 64x256
-    CTAs where the 128-row tiles would leave half of their last tile empty and the batch is small (n_rows <= 64, and
-    an odd number of 64-row tiles up to SMALL_ODD_MAX rows), 128x256 CTAs otherwise. Every configuration computes the
-    same bytes; this picks only the speed."""
+    """The configuration "auto" runs for a call of n_rows rows (figures in docs/design/sm90-kernel.md, "Small N"):
+    64x256 CTAs where the 128-row tiles would leave half of their last tile empty and the batch is small (n_rows <= 64,
+    and an odd number of 64-row tiles up to SMALL_ODD_MAX rows), 128x256 CTAs otherwise. Every configuration computes
+    the same bytes; this picks only the speed."""
     tiles64 = -(-n_rows // 64)
     return "cta-64x256" if n_rows <= 64 or (n_rows <= SMALL_ODD_MAX and tiles64 % 2 == 1) else "cta-128x256"
 

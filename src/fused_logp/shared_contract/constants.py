@@ -35,7 +35,7 @@ ALIGN_FRAC_BITS = 25
 # Significand bits of the FP32 accumulator (truncation toward zero after each k16 group).
 ACC_SIGNIFICAND_BITS = 24
 # The alignment exponent emax of one k16 group is never below this (a zero accumulator takes no part; 2^-133 is
-# the smallest bf16 subnormal). Measured on the H200 (CONTRACT.md section 2, erratum of 2026-12-01).
+# the smallest bf16 subnormal). Measured on the H200 (CONTRACT.md section 2).
 ALIGN_EXP_FLOOR = -133
 # The NaN the tensor core writes into a logit (binary32 bits). NaN payloads of lse/logp are not part of the contract.
 GEMM_NAN_BITS = 0x7FFFFFFF

@@ -4,9 +4,10 @@
 // fused_cta_kernel: one CTA per output tile (BM x BN), warp-specialised (one producer warpgroup issuing TMA loads
 // into a ring of shared-memory stages, two consumer warpgroups issuing wgmma on each stage); the epilogue runs after
 // the mainloop from a staged copy of the accumulators in the ring (stats_epilogue.cuh). Schedules that lost on the
-// H200 and were deleted (bench/NOTES-sm90.md): a persistent ping-pong kernel whose epilogue ran beside the other
-// consumer's mainloop, the producer warpgroup sharing the epilogue, 2-CTA clusters with weight multicast, this kernel
-// made persistent, and a persistent kernel with the epilogue on warps of its own beside the next tile's mainloop.
+// H200 and were deleted (docs/design/sm90-kernel.md): a persistent ping-pong kernel whose epilogue ran beside the
+// other consumer's mainloop, the producer warpgroup sharing the epilogue, 2-CTA clusters with weight multicast, this
+// kernel made persistent, and a persistent kernel with the epilogue on warps of its own beside the next tile's
+// mainloop.
 // Which tile computes a logit is a free axis.
 #pragma once
 #include "dz_epilogue.cuh"
@@ -149,7 +150,7 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     // wgmma reads of them (named barrier 1), then the 8 consumer warps take the epilogue's items of either tile once
     // all staging is written (kStagedBar). The producer warps, idle by then, wait in both: with barrier 1 of the
     // consumers alone, racecheck reports the producer's reads of the staging after kStagedBar (tools/racecheck_probe.cu
-    // reproduces that with correct values; bench/NOTES-sm90.md).
+    // reproduces that with correct values; docs/design/sm90-kernel.md).
     named_bar_sync_split<1, kThreads>();
     stage_acc_swz<WGN>(smem_u32(smem) + 16u * (c * (C::ACC / 4 * 128)), acc);
     named_bar_sync_split<kStagedBar, kThreads>();
