@@ -345,7 +345,7 @@ vllm-gpu: vllm-gpu-sm90
 # Only the speed parts of vllm-gpu (no checks, no trainer-side scoring): SPEED_ROUNDS alternating off/on engines
 # (default 1; odd rounds start with the plugin), then plugin on and off alternating inside one engine (speed-ab;
 # SPEED_AB=N runs N such engines one after another, default 1, 0 skips it). SPEED_KINDS="off,registered,bypass,on"
-# adds the engine kinds between plain vLLM and the plugin (bench/vllm_gpu.py SPEED_KINDS). SPEED_PAIRED=N (default
+# adds the engine kinds between plain vLLM and the plugin (bench/vllm_gpu/speed.py SPEED_KINDS). SPEED_PAIRED=N (default
 # 0: skipped) adds speed-paired: plain vLLM and the plugin in two engines started together, taking turns one timed
 # run at a time, N alternating pairs per batch size (e.g. SPEED_ROUNDS=0 SPEED_AB=0 SPEED_PAIRED=9 for only that).
 vllm-gpu-speed: vllm-gpu-sm90
