@@ -11,7 +11,7 @@ namespace sm90 {
 //   x = z * a - b = (z / T - lse) log2(e);  p = 2^x;  dz = cs * p (+ gt on the target column)
 // Gradient bytes are not contract-bearing: the scaling multiplies by 1/T and the exp is the hardware ex2.approx
 // (relative error ~2^-22, far below the bf16 rounding of dz, 2^-9). This is the only approximate function in
-// the kernel sources, and it is reached only from the DZ kernels (tests/test_sm90_compile.py checks both).
+// the kernel sources, and it is reached only from the DZ kernels (tests/sm90/test_sm90_compile.py checks both).
 struct DzRows {
   float a[2], b[2], cs[2], gt[2];
   long long tcol[2];   // target column relative to the chunk start; -1 for rows beyond N

@@ -5,11 +5,12 @@ the text (nothing is run)."""
 import ast
 import fnmatch
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARCHIVE = "docs/" + "archive"          # spelled apart so that this file does not cite it
 README_MAX_LINES = 160
 
@@ -136,7 +137,13 @@ def test_current_pages_name_existing_paths(page):
 
 def _current_files():
     """Everything that documents or runs the project today: all of it but the archive and the results' data."""
-    for p in sorted(ROOT.rglob("*")):
+    try:                                   # the checkout's files (tracked, or new and not ignored), not build output
+        names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.split("\n")
+        paths = [ROOT / n for n in names if n]
+    except (OSError, subprocess.CalledProcessError):
+        paths = [p for p in ROOT.rglob("*") if ".egg-info" not in p.as_posix()]
+    for p in sorted(paths):
         rel = p.relative_to(ROOT).as_posix()
         if not p.is_file() or rel.startswith((".git/", ARCHIVE + "/", "build/", "out/", ".venv/")) \
                 or "__pycache__" in rel or p.suffix in (".npz", ".xz", ".png", ".pyc"):
