@@ -1,4 +1,4 @@
-"""An independent transcription of CONTRACT.md section 2 (with the erratum of 2026-12-01), for tests only.
+"""An independent transcription of CONTRACT.md section 2, for tests only.
 
 Exact rational arithmetic (fractions.Fraction) on values decoded from the bf16 bit patterns, one logit at a time:
 no float64, no bit tricks, nothing shared with kernel/oracle.py or tests/contract_reference.py. Slow; small

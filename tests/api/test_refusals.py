@@ -1,4 +1,4 @@
-"""Every input outside contract v1 is refused with an error that names the argument and the accepted range."""
+"""Every input outside the contract is refused with an error that names the argument and the accepted range."""
 import pytest
 import torch
 

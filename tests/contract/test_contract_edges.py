@@ -1,11 +1,11 @@
-"""CONTRACT.md section 2 at the edges (erratum of 2026-12-01), on the CPU.
+"""CONTRACT.md section 2 at the edges, on the CPU.
 
 Each check runs on both CPU backends (tests/cpu_backends.py): the numpy oracle and the compiled one.
 
 - The oracle equals bytes captured on an H200 (tests/data/edges-h200.npz, bench/probe_edges.py; the SM90 kernel
   and cuBLAS gave the same logits there) in every edge class: logits bit for bit, lse and logp at T = 1 and at
   per-row temperatures.
-- One test per sentence of the erratum, on hand-built inputs whose bytes are worked out in the test.
+- One test per edge sentence of section 2, on hand-built inputs whose bytes are worked out in the test.
 - A property test: over bf16 inputs drawn across the whole exponent range (zeros, subnormals, +-inf, NaN),
   the oracle equals an independent exact-rational transcription of the rule (tests/gemm_reference.py).
 """
@@ -82,7 +82,7 @@ def test_reference_equals_h200_bytes_on_a_sample():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# one test per sentence of the erratum (hand-built inputs; expected bytes worked out here)
+# one test per edge sentence of section 2 (hand-built inputs; expected bytes worked out here)
 # ---------------------------------------------------------------------------------------------------------
 
 def _logit(h_vals, w_vals) -> int:
@@ -200,7 +200,7 @@ def test_rule_points_equal_h200():
 
 @on_cpu_backends
 def test_ordinary_rule_unchanged():
-    """Away from the edges the erratum changes nothing: truncation of aligned terms at 25 fractional bits."""
+    """Away from the edges the rule is the plain one: truncation of aligned terms at 25 fractional bits."""
     assert _logit([1.0, 2.0 ** -25 * 1.5], [1.0, 1.0]) == 0x3F800000       # 1 + 1.5 * 2^-25 -> 1
     assert _logit([1.0, 2.0 ** -23], [1.0, 1.0]) == 0x3F800001
 

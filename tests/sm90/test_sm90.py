@@ -1,4 +1,4 @@
-"""The SM90 kernel against contract v1: repeatability, batch invariance, dual entry, oracle bytes, TP shards,
+"""The SM90 kernel against the contract: repeatability, batch invariance, dual entry, oracle bytes, TP shards,
 stats-from-logits and epilogue edge cases. Runs only on an SM90 GPU (H100/H200); elsewhere it skips.
 
 Outputs are poisoned with a NaN sentinel before every kernel run (SM90Backend.poison) and every test checks

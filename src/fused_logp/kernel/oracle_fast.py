@@ -1,4 +1,4 @@
-"""The compiled CPU oracle (`oracle-fast`): contract v1 on the CPU with exactly the bytes of kernel/oracle.py.
+"""The compiled CPU oracle (`oracle-fast`): the contract on the CPU with exactly the bytes of kernel/oracle.py.
 
 Why C++ through torch's extension builder (kernel/cpu/oracle_cpu.cpp), and not numba or a numpy rewrite:
 the GEMM rule is per-term work on bit fields: each product is aligned to its group's largest nominal exponent
@@ -30,9 +30,9 @@ the contract sentences, the GEMM rule against an exact transcription, every edge
 bytes, the golden fingerprints, the transform program, the backward, the refusals), and tests/oracle/test_oracle_fast.py
 compares the two directly on every edge class, on both of its GEMM paths.
 
-The build is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); it is compiled with
--march=native, so the extension's name carries a digest of the CPU's feature flags (a cache shared by
-different CPUs never loads a build for another instruction set). Building needs g++ and ninja: without them
+The build is kept in the shared extension cache (kernel/extension_build.py, FUSED_LOGP_CACHE); it is compiled with
+-march=native, so its name carries a digest of the CPU's feature flags (a cache shared by different CPUs never
+loads a build for another instruction set). Building needs g++ and ninja: without them
 `available()` says why and every entry raises; `auto` then refuses in strict mode (naming the reason) and outside
 it runs the numpy oracle, logging the reason once and recording it in provenance.
 """

@@ -9,7 +9,7 @@ _SOFTCAP_FIELDS = ("final_logit_softcapping", "logit_softcapping", "output_logit
 
 
 class UnsupportedMegatronConfigError(ContractInputError):
-    """The Megatron model uses a feature on its output layer that contract v1 does not cover."""
+    """The Megatron model uses a feature on its output layer that the contract does not cover."""
 
 
 def _refuse(what: str, why: str):
@@ -29,7 +29,7 @@ def check_config(config) -> None:
         if getattr(config, name, None):
             _refuse(f"logit soft-capping ({name})", "the contract has no tanh cap on the logits")
     if getattr(config, "fp8_output_proj", False):
-        _refuse("a quantized output projection (fp8_output_proj)", "contract v1 covers bf16 x bf16 -> fp32 only")
+        _refuse("a quantized output projection (fp8_output_proj)", "the contract covers bf16 x bf16 -> fp32 only")
     if getattr(config, "defer_embedding_wgrad_compute", False):
         _refuse("deferred embedding wgrad (defer_embedding_wgrad_compute)",
                 "the plugin bypasses output_layer, so its deferred-wgrad buffers would stay empty")
@@ -51,7 +51,7 @@ def check_output_layer(output_layer, weight) -> None:
     base = weight.data if isinstance(weight, torch.nn.Parameter) else weight
     if type(base) is not torch.Tensor:
         _refuse(f"a quantized or wrapped lm_head weight ({type(base).__name__})",
-                "contract v1 covers plain bf16 weights")
+                "the contract covers plain bf16 weights")
     if weight.dtype != torch.bfloat16:
         _refuse(f"an lm_head weight of dtype {weight.dtype}",
-                "contract v1 covers bf16 hidden states and weights (wrap the model in Float16Module with bf16)")
+                "the contract covers bf16 hidden states and weights (wrap the model in Float16Module with bf16)")

@@ -92,7 +92,7 @@ def logp_output_processor(*, hidden_states, output_layer, output_weight=None, la
     check_output_layer(output_layer, weight)
     if hidden_states.dtype != torch.bfloat16:
         raise UnsupportedMegatronConfigError(f"fused_logp Megatron plugin: hidden states of dtype "
-                                             f"{hidden_states.dtype} are not supported: contract v1 covers bf16")
+                                             f"{hidden_states.dtype} are not supported: the contract covers bf16")
 
     tp_group = output_layer.tp_group
     tp, rank = group_size(tp_group), group_rank(tp_group)

@@ -2,7 +2,7 @@
 
 
 class ContractInputError(ValueError):
-    """An argument lies outside what contract v1 covers. The message names the argument and the accepted range."""
+    """An argument lies outside what the contract covers. The message names the argument and the accepted range."""
 
 
 class StrictModeError(RuntimeError):

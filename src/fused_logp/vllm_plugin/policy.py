@@ -1,4 +1,4 @@
-"""What contract v1 covers in a vLLM engine, and what strict mode refuses.
+"""What the contract covers in a vLLM engine, and what strict mode refuses.
 
 The plugin reports log softmax(z / T) over the full real vocabulary, z the op's unscaled FP32 logits, or, for a
 request with top-k / top-p / min-p, the logp under its sampling-transform program (CONTRACT.md section 13), whose
@@ -123,7 +123,7 @@ def transform_program(params) -> TransformProgram | None:
 
 
 def request_reasons(params) -> list[str]:
-    """Features of one SamplingParams that neither contract v1 nor the transform program covers. Non-neutral
+    """Features of one SamplingParams that neither the contract nor the transform program covers. Non-neutral
     top-k / top-p / min-p are listed only next to one of those (then vLLM applies them itself)."""
     r = []
     if params.presence_penalty != 0.0:
@@ -169,7 +169,7 @@ def engine_reasons(vllm_config, *, scale: float = 1.0, soft_cap=None, logits_as_
     mc = getattr(vllm_config, "model_config", None)
     if mc is not None:
         if mc.dtype != torch.bfloat16:
-            r.append(f"model dtype {mc.dtype} (contract v1 covers bf16 hidden states and weights)")
+            r.append(f"model dtype {mc.dtype} (the contract covers bf16 hidden states and weights)")
         if getattr(mc, "logprobs_mode", "raw_logprobs") not in LOGPROBS_MODES:
             r.append(f"logprobs_mode={mc.logprobs_mode} (not one of {', '.join(LOGPROBS_MODES)})")
         if getattr(mc, "logits_processors", None):
@@ -192,7 +192,7 @@ def head_reasons(lm_head, embedding_bias, skip_gather: bool) -> list[str]:
         r.append(f"quantized lm_head ({type(qm).__name__})")
     w = getattr(lm_head, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
-        r.append(f"lm_head weight dtype {getattr(w, 'dtype', None)} (contract v1 covers bf16)")
+        r.append(f"lm_head weight dtype {getattr(w, 'dtype', None)} (the contract covers bf16)")
     si = getattr(lm_head, "shard_indices", None)
     if si is not None and getattr(si, "num_added_elements", 0):
         r.append("added (LoRA) vocabulary in the lm_head")
@@ -221,7 +221,7 @@ def warn_once_per_kind(reasons, where: str) -> list[str]:
             _warned.add(key)
             new.append(r)
     if new:
-        log.warning("fused_logp: %s uses %s, which contract v1 does not cover; running outside the contract "
+        log.warning("fused_logp: %s uses %s, which the contract does not cover; running outside the contract "
                     "(non-strict), the status lists it under non_contract. Logged once per kind.",
                     where, ", ".join(new))
     return new
@@ -230,7 +230,7 @@ def warn_once_per_kind(reasons, where: str) -> list[str]:
 def refuse_or_warn(reasons: list[str], *, strict: bool, where: str, error=StrictModeError) -> None:
     if not reasons:
         return
-    msg = (f"fused_logp: {where} uses {', '.join(reasons)}, which contract v1 does not cover "
+    msg = (f"fused_logp: {where} uses {', '.join(reasons)}, which the contract does not cover "
            f"(the contract is log softmax(z / T) over the full real vocabulary, z the op's logits, or the logp under "
            f"a temperature/top-k/top-p/min-p transform program)")
     if strict:

@@ -3,8 +3,8 @@
 #include <cstdint>
 #include "contract_math.cuh"
 
-static_assert(contract::VOCAB_TILE == 64, "contract v1: VOCAB_TILE is 64");
-static_assert(contract::K_GROUP == 16, "contract v1: K group is 16 (one wgmma k16 step)");
+static_assert(contract::VOCAB_TILE == 64, "contract: VOCAB_TILE is 64");
+static_assert(contract::K_GROUP == 16, "contract: K group is 16 (one wgmma k16 step)");
 
 namespace sm90 {
 
