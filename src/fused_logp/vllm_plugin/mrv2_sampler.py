@@ -5,9 +5,8 @@ sampling params with top-k / top-p / min-p off for a program request (temperatur
 given). `__call__` lets vLLM sample from each program row's kept set (the wrapped `Sampler.sample` draws from a
 masked copy of the head's FP32 logits, so that vLLM's raw logprobs still rank and score the full row, as its own
 raw modes do), checks that every program row's token is in its set, and rescores every logprob column with the
-contract op. Both known
-add_request shapes are handled (capability.HookShapes.mrv2_sp_index) and both logprobs probes
-(`get_logprobs_dims` / `returns_logprobs`).
+contract op. Both known add_request shapes are handled (capability.HookShapes.mrv2_sp_index) and both logprobs
+probes (`get_logprobs_dims` / `returns_logprobs`).
 
 Per step the wrapper works on per-request flags (numpy arrays indexed by vLLM's request slot, set once in
 add_request), not on per-row Python loops: a batch without program rows, flagged requests or capture builds no

@@ -236,8 +236,8 @@ def json_float(v: float):
     return v if math.isfinite(v) else repr(v)
 
 
-def capture(st, hidden, temperature, ids, logp, req_ids, kind, programs=None, *, mode="processed_logprobs",
-            infos=None, vocab_size=None):
+def capture(st, hidden, temperature, ids, logp, req_ids, kind, programs=None, *, vocab_size: int,
+            mode="processed_logprobs", infos=None):
     """Append one record per row to the head's bounded capture buffer; every value JSON-safe. A row holds
     exactly the columns vLLM returns for its request (infos[r].sample_cols / prompt_cols; vLLM computes the
     batch's largest count for every row and keeps each request's own). `temperature` and `program` are what the
