@@ -28,9 +28,8 @@ _TILE = C.VOCAB_TILE
 
 # Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by the name the
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
-# of them, chosen by row count. With return_logits, cta-128x256's producer warpgroup stores the logits while its
-# consumer warps compute the statistics; the 64-row configurations store them from the items
-# (docs/design/sm90-kernel.md).
+# of them, chosen by row count. With return_logits, the producer warpgroup stores the logits while the consumer
+# warps compute the statistics (docs/design/sm90-kernel.md).
 LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128")
 
 

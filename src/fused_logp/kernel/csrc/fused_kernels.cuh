@@ -2,8 +2,9 @@
 // K in ascending k16 groups, no split-K) with the statistics epilogue (forward) or the dz epilogue (backward).
 //
 // fused_cta_kernel: one CTA per output tile (BM x BN), warp-specialised (one producer warpgroup issuing TMA loads
-// into a ring of shared-memory stages, two consumer warpgroups issuing wgmma on each stage); the epilogue runs after
-// the mainloop from a staged copy of the accumulators in the ring (stats_epilogue.cuh). Schedules that lost on the
+// into a ring of shared-memory stages, two consumer warpgroups issuing wgmma on each stage). The statistics epilogue
+// runs after the mainloop from each consumer's accumulator registers; the logits, where asked for, are stored by the
+// producer warpgroup from a copy of the accumulators staged in the idle ring (stats_epilogue.cuh). Schedules that lost on the
 // H200 and were deleted (docs/design/sm90-kernel.md): a persistent ping-pong kernel whose epilogue ran beside the
 // other consumer's mainloop, the producer warpgroup sharing the epilogue, 2-CTA clusters with weight multicast, this
 // kernel made persistent, and a persistent kernel with the epilogue on warps of its own beside the next tile's
@@ -37,10 +38,9 @@ struct Cfg {
 };
 
 // FULL_K: D is a multiple of 64, every stage holds 4 k16 groups (straight-line wgmma issue). DZ: the backward
-// epilogue (wg_dz_epilogue) instead of the statistics. LOGITS: the statistics epilogue also stores the logits
-// (p.logits is set exactly when it is true; item_stats in stats_epilogue.cuh). PSTORE: the producer warpgroup stores
-// them instead (producer_logits; p.logits is set, LOGITS false).
-template <int WM, int WGN, bool FULL_K, bool DZ, bool LOGITS = false, bool PSTORE = false>
+// epilogue (wg_dz_epilogue) instead of the statistics. LOGITS: the consumers also stage their accumulators, which
+// the producer warpgroup stores as the logits (producer_logits; p.logits is set exactly when it is true).
+template <int WM, int WGN, bool FULL_K, bool DZ, bool LOGITS = false>
 __global__ void __launch_bounds__(kThreads, 1)
 fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                    const __grid_constant__ CUtensorMap map_o, const FusedParams p) {
@@ -82,13 +82,13 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
         tma_load_2d(b, &map_w, &full[s], kb * kBK, n0);
       }
     }
-    if constexpr (!DZ) {
+    if constexpr (LOGITS && !DZ) {
       __syncwarp();
       if (!p.skip_epilogue) {
         // the consumers' two staging barriers (below): the producer and consumer warps reach them at different places
         named_bar_sync_split<1, kThreads>();
         named_bar_sync_split<kStagedBar, kThreads>();
-        if constexpr (PSTORE) producer_logits<WM, WGN, 4>(smem_u32(smem), p, m0, n0, threadIdx.x / 32);
+        producer_logits<WM, WGN, 4>(smem_u32(smem), p, m0, n0, threadIdx.x / 32);
       }
     }
     return;
@@ -145,17 +145,17 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
     return;
   }
 
-  {
+  if constexpr (LOGITS) {
     // Stage the accumulators in the (now idle) pipeline buffers once both consumer warpgroups are done with their
-    // wgmma reads of them (named barrier 1), then the 8 consumer warps take the epilogue's items of either tile once
-    // all staging is written (kStagedBar). The producer warps, idle by then, wait in both: with barrier 1 of the
-    // consumers alone, racecheck reports the producer's reads of the staging after kStagedBar (tools/racecheck_probe.cu
-    // reproduces that with correct values; docs/design/sm90-kernel.md).
+    // wgmma reads of them (named barrier 1); the producer warps store the logits from there once all staging is
+    // written (kStagedBar), while the consumers compute the statistics. The producer warps wait in both: with
+    // barrier 1 of the consumers alone, racecheck reports the producer's reads of the staging after kStagedBar
+    // (tools/racecheck_probe.cu reproduces that with correct values; docs/design/sm90-kernel.md).
     named_bar_sync_split<1, kThreads>();
     stage_acc_swz<WGN>(smem_u32(smem) + 16u * (c * (C::ACC / 4 * 128)), acc);
     named_bar_sync_split<kStagedBar, kThreads>();
-    cta_items_epilogue<WM, WGN, 128 * kConsumers / 32, LOGITS>(smem_u32(smem), p, m0, n0, threadIdx.x / 32 - 4);
   }
+  wg_reg_stats<WGN>(acc, p, m0 + wm * 64, n0 + wn * WGN);
 }
 
 }  // namespace sm90

@@ -84,9 +84,9 @@ inline int sm_count() {
   return n;
 }
 
-// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM); PSTORE: the logits, where asked
-// for, stored by the producer warpgroup (fused_cta_kernel).
-template <int WM, int WGN, bool PSTORE = false>
+// Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM); the logits, where asked for,
+// stored by the producer warpgroup (fused_cta_kernel).
+template <int WM, int WGN>
 void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream) {
   using C = Cfg<WM, WGN>;
   FusedParams q = p;
@@ -97,8 +97,7 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
   const bool full_k = p.d % kBK == 0, logits = p.logits != nullptr;
   auto kern = full_k ? fused_cta_kernel<WM, WGN, true, false, false> : fused_cta_kernel<WM, WGN, false, false, false>;
   if (logits)
-    kern = full_k ? fused_cta_kernel<WM, WGN, true, false, !PSTORE, PSTORE>
-                  : fused_cta_kernel<WM, WGN, false, false, !PSTORE, PSTORE>;
+    kern = full_k ? fused_cta_kernel<WM, WGN, true, false, true> : fused_cta_kernel<WM, WGN, false, false, true>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
   TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");
@@ -107,8 +106,7 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-extern template void launch_cta<2, 256, true>(const torch::Tensor&, const torch::Tensor&, const FusedParams&,
-                                              cudaStream_t);
+extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 

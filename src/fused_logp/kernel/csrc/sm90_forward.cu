@@ -195,9 +195,9 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 }
 
 // The launch configurations of the fused kernel, by name (kernel/sm90.py LAUNCHES, where "auto" is resolved by row
-// count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns). cta-128x256's logits are stored by
-// its producer warpgroup (producer_logits in stats_epilogue.cuh), the 64-row ones' by the item path. None changes a
-// bit. One table gives the names for Python (launch_names), the dispatch and the refusal.
+// count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns); in each the logits are stored by
+// its producer warpgroup (producer_logits in stats_epilogue.cuh). None changes a bit. One table gives the names for
+// Python (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 struct NamedLaunch {
   const char* name;
@@ -205,7 +205,7 @@ struct NamedLaunch {
 };
 static const NamedLaunch kLaunches[] = {
     {"cta-128x256", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
-       launch_cta<2, 256, true>(h, w, p, s);
+       launch_cta<2, 256>(h, w, p, s);
      }},
     {"cta-64x256", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
        launch_cta<1, 128>(h, w, p, s);

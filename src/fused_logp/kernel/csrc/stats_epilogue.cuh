@@ -1,17 +1,13 @@
-// The forward's epilogue: the contract's tile statistics (sections 3-4 of CONTRACT.md) of the CTA's tiles, read from a
-// shared-memory copy of the wgmma accumulators, plus the target logit and the optional logits.
+// The forward's epilogue: the contract's tile statistics (sections 3-4 of CONTRACT.md) of a consumer warpgroup's
+// tile, computed from its wgmma accumulator registers, plus the target logit; and the optional logits, stored by the
+// producer warpgroup from a shared-memory copy of the accumulators.
 #pragma once
 #include "fused_params.cuh"
 #include "ptx.cuh"
 
 namespace sm90 {
 
-// ---------------------------------------------------------------------------------------------------------
-// The epilogue as work items shared by the consumer warps: an item is (consumer warpgroup c, its warp w,
-// vocabulary tile vt), 16 rows x 64 columns of c's staged tile, taken by any warp once all staging is written.
-// ---------------------------------------------------------------------------------------------------------
-
-// Per-row inputs of an item's two rows (row, row + 8): the temperature and the target's column.
+// Per-row inputs of a thread's two rows (row, row + 8): the temperature and the target's column.
 __device__ __forceinline__ void item_rows(const FusedParams& p, int row, float (&T)[2], long long (&tcol)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -23,10 +19,9 @@ __device__ __forceinline__ void item_rows(const FusedParams& p, int row, float (
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The staged copy is swizzled so that the reading quad's thread q holds lanes
-// [16q, 16q + 16) of its two rows: the tree's levels 1-4 are thread-local (15 adds, no shuffles), levels 5 and 6
-// are one xor-shuffle each. Float4 j of accumulator thread tid is at st_c[j * 128 + (tid ^ ((j >> 1) & 3))]:
-// conflict-free 16-byte stores (the xor permutes within each quad) and loads (see load_item).
+// The staged copy of the accumulators (only where the logits are asked for), swizzled: float4 j of accumulator
+// thread tid is at st_c[j * 128 + (tid ^ ((j >> 1) & 3))], so that the stores and the producer warps' loads
+// (producer_logits) are free of bank conflicts.
 // ---------------------------------------------------------------------------------------------------------
 template <int WGN>
 __device__ __forceinline__ void stage_acc_swz(uint32_t st_c, const float (&acc)[WGN / 2]) {
@@ -37,218 +32,234 @@ __device__ __forceinline__ void stage_acc_swz(uint32_t st_c, const float (&acc)[
                  make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
 }
 
-// Thread (g = lane / 4, q = lane % 4) of the item's warp takes float4 jj of source thread 32w + 4g + s, for the
-// 8-column groups j = 8vt + 2q + jj (jj = 0, 1) and s = 0..3: the source wrote lanes 8j + 2s + {0, 1} of rows g
-// (x, y) and g + 8 (z, w), i.e. tile lanes 16q + 8jj + 2s + e. Load (jj, s) of the 8 threads of a quarter warp
-// hits float4 slots 4 (g % 2) + (s ^ q): 8 distinct, no bank conflict.
-__device__ __forceinline__ void load_item(float4 (&v)[8], uint32_t st_c, int w, int vt) {
-  const int lane = threadIdx.x % 32;
-  const int q = lane % 4;
-  const uint32_t b = st_c + 16u * ((8 * vt + 2 * q) * 128 + 32 * w + 4 * (lane / 4));
-#pragma unroll
-  for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-    for (int s = 0; s < 4; ++s) v[4 * jj + s] = ld_shared_v4(b + 16u * (jj * 128 + (s ^ q)));
-}
-
 __device__ __forceinline__ float max_nan(float a, float b) {
   float d;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
   return d;
 }
 
-// Lanes 16q + i (i = 0..15) of one row: the thread-local levels 1-4 of the tree, then levels 5 and 6 across the quad.
-__device__ __forceinline__ float tree16(const float (&e)[16]) {
-  float a[8];
+// x[i] where i is a run-time index: a chain of selects (no local memory).
+template <int N>
+__device__ __forceinline__ float pick(const float (&x)[N], int i) {
+  float r = x[0];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) a[i] = __fadd_rn(e[2 * i], e[2 * i + 1]);               // level 1
-#pragma unroll
-  for (int i = 0; i < 4; ++i) a[i] = __fadd_rn(a[2 * i], a[2 * i + 1]);               // level 2
-#pragma unroll
-  for (int i = 0; i < 2; ++i) a[i] = __fadd_rn(a[2 * i], a[2 * i + 1]);               // level 3
-  float s = __fadd_rn(a[0], a[1]);                                                     // level 4: [16q, +16)
-  s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));                                // level 5: [32(q/2), +32)
-  s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));                                // level 6
-  return s;
+  for (int k = 1; k < N; ++k) r = (k == i) ? x[k] : r;
+  return r;
 }
 
-// One item: z[h][i] is column tile_col + 16q + i of row row + 8h; T and tcol are the two rows' item_rows. Every
-// thread of the warp calls it. Section 4: M = max z over the real lanes (NaN if any is non-finite), the lanes'
-// ex2(mul(sub(z, M), c)) with c = div(LOG2E, T) summed by the tree, m_t = div(M, T); the target's z' = div(z, T).
-// The per-logit work is one max, one sub, one mul, one ex2 and one add; the divisions are per row or per tile.
-// LOGITS (p.logits is set exactly when it is true): the unscaled logits are stored after the row maximum's shuffles,
-// so that the stores do not queue ahead of the shuffles; they drain under the exp's arithmetic.
-template <bool LOGITS>
-__device__ __forceinline__ void item_stats(const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2],
-                                           const FusedParams& p, int row, int tile_col) {
-  const int q = threadIdx.x % 4;
-  const int c0 = tile_col + 16 * q;
-  const bool full = tile_col + kTile <= p.n_real;   // warp-uniform
-  float z[2][16];
-#pragma unroll
-  for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      z[0][8 * jj + 2 * s] = v[4 * jj + s].x;
-      z[0][8 * jj + 2 * s + 1] = v[4 * jj + s].y;
-      z[1][8 * jj + 2 * s] = v[4 * jj + s].z;
-      z[1][8 * jj + 2 * s + 1] = v[4 * jj + s].w;
-    }
-  if (p.bias != nullptr) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (c0 + i < p.n_real) {
-        const float b = p.bias[c0 + i];
-        z[0][i] = __fadd_rn(z[0][i], b);
-        z[1][i] = __fadd_rn(z[1][i], b);
-      }
-    }
-  }
-  // unscaled logits, streamed past L2: 64 contiguous bytes a row, as four 16-byte stores where aligned
-  auto store_logits = [&]() {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (row + 8 * h >= p.n_rows) continue;
-      float* lr = p.logits + static_cast<long long>(row + 8 * h) * p.n_real + c0;
-      if (full && p.logits_vec4) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          __stcs(reinterpret_cast<float4*>(lr) + i, make_float4(z[h][4 * i], z[h][4 * i + 1], z[h][4 * i + 2],
-                                                                z[h][4 * i + 3]));
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-          if (c0 + i < p.n_real) __stcs(lr + i, z[h][i]);
-      }
-    }
-  };
-  // M (max over real lanes; NaN if any real lane is non-finite)
-  float m[2];
-  bool bad[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx = __int_as_float(0xFF800000), mn = __int_as_float(0x7F800000);
-    if (full) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        mx = max_nan(mx, z[h][i]);     // NaN-propagating: a NaN lane makes mx NaN
-        mn = fminf(mn, z[h][i]);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        if (c0 + i < p.n_real) {
-          mx = max_nan(mx, z[h][i]);
-          mn = fminf(mn, z[h][i]);
-        }
-      }
-    }
-    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, 1));
-    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, 2));
-    // a real lane is NaN or +-inf exactly when the row's max is NaN or +-inf or its min is -inf
-    bad[h] = !(fabsf(mx) < __int_as_float(0x7F800000)) || mn == __int_as_float(0xFF800000);
-    m[h] = bad[h] ? __int_as_float(0x7FFFFFFF) : mx;
-  }
-  if constexpr (LOGITS) store_logits();
-  float s[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float c = __fdiv_rn(contract::bits(contract::EXP_LOG2E), T[h]);
-    float e[16];
-    if (full) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) e[i] = contract::contract_ex2(__fmul_rn(__fsub_rn(z[h][i], m[h]), c));
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-        e[i] = (c0 + i < p.n_real) ? contract::contract_ex2(__fmul_rn(__fsub_rn(z[h][i], m[h]), c)) : 0.0f;
-    }
-    s[h] = tree16(e);
-    if (bad[h]) s[h] = m[h];          // NaN, as ex2(NaN) lanes would give
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row + 8 * h;
-    if (r >= p.n_rows) continue;
-    const long long tl = tcol[h] - tile_col;
-    if (tl >= 0 && tl < kTile && tl < p.n_real - tile_col && (tl >> 4) == q) {
-      float t = z[h][0];
-#pragma unroll
-      for (int i = 1; i < 16; ++i)
-        if (i == (tl & 15)) t = z[h][i];
-      p.target_logit[r] = __fdiv_rn(t, T[h]);
-    }
-    if (q == 0) {
-      const long long o = static_cast<long long>(r) * p.nt + tile_col / kTile;
-      p.tile_max[o] = bad[h] ? m[h] : __fdiv_rn(m[h], T[h]);
-      p.tile_sum[o] = s[h];
-    }
-  }
-}
-
-// The epilogue of a CTA's staged consumer tiles as items: NI = kConsumers * 4 * (WGN / 64) items, item k taken by
-// warp k % NW (warp index gw among the NW epilogue warps), the next item's values and its rows' temperatures and
-// targets loaded before this item's arithmetic (global loads: their latency falls under it). Consumer c's tile:
-// rows row0 + 64 (c % WM), columns col0 + WGN (c / WM), staged at byte st + c * WGN * 256 of the shared window.
-template <int WM, int WGN, int NW, bool LOGITS>
-__device__ __forceinline__ void cta_items_epilogue(uint32_t st, const FusedParams& p, int row0, int col0, int gw) {
+// ---------------------------------------------------------------------------------------------------------
+// The statistics of one consumer warpgroup's tile, rows row0 + [0, 64) and columns col0 + [0, WGN), from its
+// accumulator registers (after the bias, added in place). Thread (warp w, lane l; g = l / 4, q = l % 4) holds rows
+// row0 + 16w + g + 8h (h = 0, 1) and, of vocabulary tile vt (columns col0 + 64 vt + [0, 64)), the lanes
+// 8jj + 2q + e (jj = 0..7, e = 0, 1) at acc[4 (8 vt + jj) + 2h + e]. The thread's NP = 2 NV (row, tile) pairs are
+// P = NV h + vt.
+//
+// Section 4 per pair: M = max over the real lanes (NaN-propagating max; a NaN or +-inf lane shows in M, a -inf lane
+// in the min, whose flags are or-ed across the quad), c = div(LOG2E, T) once a row, each real lane's
+// ex2(mul(sub(z, M), c)) (+0 for lanes beyond n_real), s_t by the adjacent-pairwise tree over the 64 lanes, and
+// m_t = div(M, T). The tree's levels map onto the layout: level 1 is e (in the thread), level 2 is q's bit 0 (the
+// lane xor 1), level 3 q's bit 1 (xor 2), levels 4-6 are jj's three bits (in the thread). Levels 2 and 3 are
+// reduce-scatter steps over the flattened (P, jj) values: at each step a thread keeps the half of the nodes whose
+// split bit equals its own bit of q, receives its partner's value of each (one shuffle a node) and adds; addition is
+// commutative, so a node has the tree's bits whichever thread adds it. After both steps a thread holds whole subtrees
+// of its own pairs (NP = 2: half of one pair's subtree, whose level 6 is one more shuffle), finishes them in order,
+// and stores its pairs' tile_max and tile_sum.
+//
+// At T = 1 in every row of the warp (a vote) the divisions are skipped: div(LOG2E, 1) is LOG2E, and div(M, 1) = M for
+// the finite M of every tile that is not non-finite, so the bytes are the same.
+// ---------------------------------------------------------------------------------------------------------
+// CHECKED: some lane of the warpgroup's tile lies beyond n_real (each lane is tested); otherwise none is tested.
+template <int WGN, bool CHECKED>
+__device__ __forceinline__ void wg_reg_stats_body(float (&acc)[WGN / 2], const FusedParams& p, int row0, int col0) {
   constexpr int NV = WGN / kTile;
-  constexpr int NI = kConsumers * 4 * NV;
+  constexpr int NP = 2 * NV;
+  constexpr int F = NP * 8;                                  // level-1 nodes of the thread
+  static_assert(NP == 2 || NP == 4 || NP == 8, "1, 2 or 4 vocabulary tiles a warpgroup");
+  // the split bits of the flattened index P * 8 + jj: level 2 (xor 1), level 3 (xor 2)
+  constexpr int S1 = NP == 8 ? 4 : 3;                        // P bit 1 (NP = 8) or P bit 0
+  constexpr int S2 = NP == 8 ? 5 : (NP == 4 ? 4 : 2);        // P bit 2, P bit 1, or jj bit 2 (NP = 2)
   const int lane = threadIdx.x % 32;
-  auto coords = [&](int k, int& c, int& w, int& vt) {
-    c = k / (4 * NV);
-    w = (k / NV) % 4;
-    vt = k % NV;
-  };
-  // item kk's staged values and its rows' temperatures and targets; item kk's statistics from them
-  auto fetch = [&](int kk, float4 (&v)[8], float (&T)[2], long long (&tcol)[2]) {
-    int c, w, vt;
-    coords(kk, c, w, vt);
-    load_item(v, st + 16u * (c * (WGN * 16)), w, vt);
-    item_rows(p, row0 + 64 * (c % WM) + 16 * w + lane / 4, T, tcol);
-  };
-  auto stats = [&](int kk, const float4 (&v)[8], const float (&T)[2], const long long (&tcol)[2]) {
-    int c, w, vt;
-    coords(kk, c, w, vt);
-    const int rbase = row0 + 64 * (c % WM) + 16 * w;
-    const int tile_col = col0 + WGN * (c / WM) + kTile * vt;
-    if (rbase < p.n_rows && tile_col < p.n_real)   // warp-uniform: rows or columns beyond the real ones skip
-      item_stats<LOGITS>(v, T, tcol, p, rbase + lane / 4, tile_col);
-  };
-  int k = gw;
-  if (k >= NI) return;
-  float4 cur[8];
+  const int q = lane % 4, b0 = q & 1, b1 = q >> 1;
+  const int row = row0 + 16 * ((threadIdx.x % 128) / 32) + lane / 4;
   float T[2];
   long long tcol[2];
-  fetch(k, cur, T, tcol);
-#pragma unroll 1
-  for (; k < NI; k += NW) {
-    float4 nxt[8];
-    float Tn[2];
-    long long tcoln[2];
-    fetch(k + NW < NI ? k + NW : k, nxt, Tn, tcoln);
-    stats(k, cur, T, tcol);
+  item_rows(p, row, T, tcol);
+
+  if (p.bias != nullptr) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
+    for (int j = 0; j < WGN / 8; ++j) {
+      const int col = col0 + 8 * j + 2 * q;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      T[h] = Tn[h];
-      tcol[h] = tcoln[h];
+      for (int e = 0; e < 2; ++e)
+        if (!CHECKED || col + e < p.n_real) {
+          const float b = p.bias[col + e];
+          acc[4 * j + e] = __fadd_rn(acc[4 * j + e], b);
+          acc[4 * j + 2 + e] = __fadd_rn(acc[4 * j + 2 + e], b);
+        }
     }
   }
+
+  // the target's scaled logit, in the thread that holds its lane (a warp seldom holds one: a vote skips the search)
+  bool hit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const long long tl = tcol[h] - col0;
+    hit[h] = row + 8 * h < p.n_rows && tl >= 0 && tl < WGN && tl < p.n_real - col0 && ((tl >> 1) & 3) == q;
+  }
+  if (__any_sync(0xffffffffu, hit[0] || hit[1])) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!hit[h]) continue;
+      const int tl = static_cast<int>(tcol[h] - col0), jt = tl >> 3, e = tl & 1;
+      float t = acc[2 * h];
+#pragma unroll
+      for (int j = 0; j < WGN / 8; ++j) {
+        t = (j == jt && e == 0) ? acc[4 * j + 2 * h] : t;
+        t = (j == jt && e == 1) ? acc[4 * j + 2 * h + 1] : t;
+      }
+      p.target_logit[row + 8 * h] = __fdiv_rn(t, T[h]);
+    }
+  }
+
+  // M and the non-finite flags of each pair
+  float M[NP];
+  unsigned neg_inf = 0;
+#pragma unroll
+  for (int P = 0; P < NP; ++P) {
+    const int h = P / NV, vt = P % NV;
+    const int tile_col = col0 + kTile * vt;
+    float mx = __int_as_float(0xFF800000), mn = __int_as_float(0x7F800000);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float z = acc[4 * (8 * vt + jj) + 2 * h + e];
+        if (!CHECKED || tile_col + 8 * jj + 2 * q + e < p.n_real) {
+          mx = max_nan(mx, z);
+          mn = fminf(mn, z);
+        }
+      }
+    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    M[P] = mx;
+    neg_inf |= (mn == __int_as_float(0xFF800000) ? 1u : 0u) << P;
+  }
+  neg_inf |= __shfl_xor_sync(0xffffffffu, neg_inf, 1);
+  neg_inf |= __shfl_xor_sync(0xffffffffu, neg_inf, 2);
+  unsigned bad = 0;
+#pragma unroll
+  for (int P = 0; P < NP; ++P) {
+    // a real lane is NaN or +-inf exactly when the max is NaN or +-inf or the min is -inf (section 4)
+    const bool b = !(fabsf(M[P]) < __int_as_float(0x7F800000)) || ((neg_inf >> P) & 1u);
+    bad |= (b ? 1u : 0u) << P;
+    if (b) M[P] = __int_as_float(0x7FFFFFFF);
+  }
+
+  // the row scale c = div(LOG2E, T): one division for the warp's 16 rows (lane q takes row h = q's bit 0)
+  const bool unit_t = __all_sync(0xffffffffu, T[0] == 1.0f && T[1] == 1.0f);
+  float c[2];
+  if (unit_t) {
+    c[0] = c[1] = contract::bits(contract::EXP_LOG2E);
+  } else {
+    const float mine = __fdiv_rn(contract::bits(contract::EXP_LOG2E), b0 ? T[1] : T[0]);
+    const float other = __shfl_xor_sync(0xffffffffu, mine, 1);
+    c[0] = b0 ? other : mine;
+    c[1] = b0 ? mine : other;
+  }
+
+  // level 1: the lane pairs' sums of the contract's exps
+  float v[F];
+#pragma unroll
+  for (int P = 0; P < NP; ++P) {
+    const int h = P / NV, vt = P % NV;
+    const int tile_col = col0 + kTile * vt;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      float ex[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float z = acc[4 * (8 * vt + jj) + 2 * h + e];
+        ex[e] = (!CHECKED || tile_col + 8 * jj + 2 * q + e < p.n_real)
+                    ? contract::contract_ex2(__fmul_rn(__fsub_rn(z, M[P]), c[h]))
+                    : 0.0f;
+      }
+      v[8 * P + jj] = __fadd_rn(ex[0], ex[1]);
+    }
+  }
+  // level 2: split bit S1, partner lane xor 1, this thread keeps the nodes whose bit S1 is b0
+  float u[F / 2];
+#pragma unroll
+  for (int k = 0; k < F / 2; ++k) {
+    const int lo = ((k >> S1) << (S1 + 1)) | (k & ((1 << S1) - 1));
+    const int hi = lo | (1 << S1);
+    const float send = b0 ? v[lo] : v[hi];
+    const float keep = b0 ? v[hi] : v[lo];
+    u[k] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 1));
+  }
+  // level 3: split bit S2 (of the index with bit S1 removed), partner lane xor 2, kept where it is b1
+  constexpr int S2r = S2 > S1 ? S2 - 1 : S2;
+  float t3[F / 4];
+#pragma unroll
+  for (int k = 0; k < F / 4; ++k) {
+    const int lo = ((k >> S2r) << (S2r + 1)) | (k & ((1 << S2r) - 1));
+    const int hi = lo | (1 << S2r);
+    const float send = b1 ? u[lo] : u[hi];
+    const float keep = b1 ? u[hi] : u[lo];
+    t3[k] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 2));
+  }
+  // levels 4-6 and the stores of the thread's own pairs
+  constexpr int OWN = NP == 8 ? 2 : 1;
+#pragma unroll
+  for (int o = 0; o < OWN; ++o) {
+    int P;
+    float s;
+    if constexpr (NP == 2) {
+      // t3 holds jj = 4 b1 + [0, 4) of pair b0: levels 4 and 5 here, level 6 across xor 2
+      float a0 = __fadd_rn(t3[0], t3[1]), a1 = __fadd_rn(t3[2], t3[3]);
+      s = __fadd_rn(a0, a1);
+      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
+      P = b0;
+    } else {
+      const float* x = t3 + 8 * o;
+      float a[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = __fadd_rn(x[2 * i], x[2 * i + 1]);   // level 4
+      const float l5a = __fadd_rn(a[0], a[1]), l5b = __fadd_rn(a[2], a[3]);  // level 5
+      s = __fadd_rn(l5a, l5b);                                                 // level 6
+      P = NP == 8 ? 4 * b1 + 2 * b0 + o : 2 * b1 + b0;
+    }
+    const int h = P / NV, vt = P % NV;
+    const int r = row + 8 * h;
+    const int tile_col = col0 + kTile * vt;
+    const bool own = NP != 2 || b1 == 0;
+    if (own && r < p.n_rows && (!CHECKED || tile_col < p.n_real)) {
+      const float m = pick<NP>(M, P);
+      const bool b = (bad >> P) & 1u;
+      const long long off = static_cast<long long>(r) * p.nt + tile_col / kTile;
+      p.tile_max[off] = (b || unit_t) ? m : __fdiv_rn(m, h ? T[1] : T[0]);
+      p.tile_sum[off] = b ? m : s;
+    }
+  }
+}
+
+template <int WGN>
+__device__ __forceinline__ void wg_reg_stats(float (&acc)[WGN / 2], const FusedParams& p, int row0, int col0) {
+  if (row0 + 16 * ((threadIdx.x % 128) / 32) >= p.n_rows || col0 >= p.n_real) return;   // warp-uniform: nothing real
+  if (col0 + WGN <= p.n_real)
+    wg_reg_stats_body<WGN, false>(acc, p, row0, col0);
+  else
+    wg_reg_stats_body<WGN, true>(acc, p, row0, col0);
 }
 
 // The logits of a CTA's staged consumer tiles, stored by the producer warpgroup's NW warps (warp pw), which are
-// otherwise idle once the staging barrier has passed: the consumer warps' items then carry no logits code. Float4 j
+// otherwise idle once the staging barrier has passed: the consumer warps' statistics carry no logits code. Float4 j
 // of accumulator thread src = 32 w + 4 g + s holds columns 8 j + 2 s + {0, 1} of rows g (x, y) and g + 8 (z, w) of
 // warp w's 16 rows. A step of a warp takes columns [32 jg, 32 jg + 32) of one w, in four row pairs (g, g + 1 and
 // their + 8): lane (s, gpar, jj) = (lane % 4, lane / 4 % 2, lane / 8) reads float4 4 jg + jj of src with
 // g = 2 gp + gpar (each quarter warp's 8 loads hit 8 distinct 16-byte bank groups, 4 (g % 2) + (s ^ x)) and stores
 // two 8-byte pairs, so that each store instruction writes two whole 128-byte row segments. A CTA whose rows and
 // columns are all real, without bias and with 16-byte-aligned rows, stores without checks; others check each value
-// and add the bias as item_stats adds it.
+// and add the bias as the statistics add it.
 template <int WM, int WGN, int NW>
 __device__ __forceinline__ void producer_logits(uint32_t st, const FusedParams& p, int row0, int col0, int pw) {
   constexpr int NJ = WGN / 32;               // column groups of 32 a consumer tile
