@@ -1,6 +1,6 @@
 """Forward timing of the SM90 linear_logp kernel against its peers at the Qwen3-8B lm_head shape.
 
-    python bench/benchmark_linear_logp.py [--n 1,16,256,2048,8192,16384] [--vocab 151936,76032] [--out DIR]
+    python bench/benchmark_linear_logp.py [--n 1,16,256,2048,8192,16384] [--vocab 151936,76032] [--temperature 1,0.7] [--out DIR]
 
 Columns: cuBLAS bf16 GEMM alone (bf16 out, and FP32 out), cuBLAS FP32-out GEMM + FP32 log_softmax + gather,
 ours with return_logits off and on (SM90Backend called directly, no op-layer checks). Median of
@@ -102,9 +102,10 @@ def main():
     ap.add_argument("--vocab", default="151936,76032")
     ap.add_argument("--d", type=int, default=4096)
     ap.add_argument("--rep", type=int, default=300, help="do_bench rep (ms)")
-    ap.add_argument("--temperature", type=float, default=1.0,
-                    help="every row's temperature for ours and cuBLAS + log_softmax (the peers run at 1: their APIs "
-                         "take none); != 1 runs the epilogue's division")
+    ap.add_argument("--temperature", default="1,0.7",
+                    help="the temperatures, each a pass over every shape with every column (one JSON a temperature): "
+                         "every row's temperature for ours and cuBLAS + log_softmax (the peers run at 1: their APIs "
+                         "take none)")
     ap.add_argument("--launch", default="auto", help="launch configuration of the 'ours' columns (sm90.LAUNCHES)")
     ap.add_argument("--sweep", default="",
                     help="extra launch configurations to time, e.g. cta-128x256,cta-128x256-fast-x3+mainloop "
@@ -134,6 +135,12 @@ def main():
     be.launch = args.launch
     dev = torch.device("cuda")
     peers = peer_lib.load("none", no_grad=True, names=[name for name, _ in peer_lib.PEERS])
+    for temperature in [float(x) for x in args.temperature.split(",")]:
+        _run(args, temperature, be, peers, dev)
+
+
+def _run(args, temperature, be, peers, dev):
+    """One pass over every shape at one temperature: the columns, the tables, the JSON."""
     g = torch.Generator(device=dev).manual_seed(1234)
     d = args.d
     rows = []
@@ -142,7 +149,7 @@ def main():
         for n in [int(x) for x in args.n.split(",")]:
             hs = [(torch.randn(n, d, generator=g, device=dev)).to(torch.bfloat16) for _ in range(2)]
             tg = torch.randint(0, v, (n,), generator=g, device=dev)
-            temp = torch.full((n,), args.temperature, device=dev)
+            temp = torch.full((n,), temperature, device=dev)
             ones = torch.ones(n, device=dev)
             it = [0]
 
@@ -258,7 +265,7 @@ def main():
         "backend": be.describe(),
         "timing": "triton.testing.do_bench median (CUDA events), 2 rotating hidden sets, no bias; *_interleaved: "
                   "GEMM, ours and ours with logits in the same 7 rounds (bench/benchmark_linear_logp.py _interleaved)",
-        "temperature": args.temperature,
+        "temperature": temperature,
         "energy": "joules per call from NVML's total-energy counter over back-to-back calls (bench/energy.py)",
         "power_limit_w": energy.power_limit_w(),
         "peers_temperature": 1.0,
@@ -270,7 +277,7 @@ def main():
            f"{'TFLOP/s':>7} {'+logits':>8} {'x GEMM':>6} {'x ours':>6} | {'mem ours':>9} {'mem LS':>9}")
     print()
     print(f"{info['gpu']}, torch {info['torch']}, CUDA {info['cuda']}, {info['date']}; median ms; temperature "
-          f"{args.temperature:g} (the peers: 1)")
+          f"{temperature:g} (the peers: 1)")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -313,7 +320,7 @@ def main():
                               and ("diff_vs_ours" in k)}
                     print(f"{name} V={r['V']} N={r['N']}: {checks}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"bench-{args.tag}-{info['date']}.json")
+    path = os.path.join(args.out, f"bench-{args.tag}-T{temperature:.1f}-{info['date']}.json")
     with open(path, "w") as f:
         json.dump(info, f, indent=1)
     print(f"wrote {path}")
