@@ -66,7 +66,8 @@ def _same(a, b):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results/oracle-cpu-2026-12-01.json")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "oracle-cpu.json"),
+                   help="the JSON written (default: $OUT/oracle-cpu.json, else out/oracle-cpu.json)")
     p.add_argument("--log", default=None, help="also write the printed table here")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--reps-small", type=int, default=21, help="repetitions of the fast oracle's ms-long calls")
