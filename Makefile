@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe sass-epilogue clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-sanitizers gpu-sanitizers-run gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe sass-epilogue clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -91,6 +91,24 @@ gpu-kernel-round: peer-site
 	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -v -x -p no:cacheprovider tests/sm90/test_sm90.py -k "launch_names or l1_repeat" \
 		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; grep -o "test_[a-z_0-9]*\[[^]]*\] [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/guard.txt | tail -12; exit $$rc
 	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
+	$(MAKE) --no-print-directory gpu-sanitizers-run
+	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS) > $${OUT:-out}/bench.log 2>&1; rc=$$?; \
+		grep -v "^liger\|^cce\|^quack" $${OUT:-out}/bench.log | tail -40; [ $$rc = 0 ] || exit $$rc
+	@if [ -f $${OUT:-out}/sanitizer-findings.txt ]; then echo "compute-sanitizer reported errors or hazards:"; \
+		cat $${OUT:-out}/sanitizer-findings.txt; exit 9; fi
+
+# compute-sanitizer memcheck, racecheck and synccheck on the smoke run of SMOKE_LAUNCHES (and auto) at the three
+# shapes of gpu-kernel-round, the extension built first; findings fail it (exit 9) once all nine runs are done.
+# gpu-sanitizers-run: the loop alone (gpu-kernel-round runs it and fails after its benchmark).
+gpu-sanitizers:
+	@mkdir -p $${OUT:-out}
+	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
+	$(MAKE) --no-print-directory gpu-sanitizers-run
+	@if [ -f $${OUT:-out}/sanitizer-findings.txt ]; then echo "compute-sanitizer reported errors or hazards:"; \
+		cat $${OUT:-out}/sanitizer-findings.txt; exit 9; fi
+
+gpu-sanitizers-run:
+	@mkdir -p $${OUT:-out}
 	@rm -f $${OUT:-out}/sanitizer-findings.txt $${OUT:-out}/sanitizers.txt
 	for tool in memcheck racecheck synccheck; do for run in 70,208,1088,1000 $(SMOKE_SHAPE) $(SMOKE_NOBIAS_SHAPE):nobias; do \
 		shape=$${run%:nobias}; flags=$$([ $$shape = $$run ] || echo --smoke-no-bias); \
@@ -101,10 +119,6 @@ gpu-kernel-round: peer-site
 		{ echo "== $$tool $$run rc=$$rc"; cat $$log; } >> $${OUT:-out}/sanitizers.txt; rm -f $$log; \
 		if [ $$rc = 9 ]; then echo "$$tool $$run" >> $${OUT:-out}/sanitizer-findings.txt; elif [ $$rc != 0 ]; then exit $$rc; fi; \
 	done; done
-	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS) > $${OUT:-out}/bench.log 2>&1; rc=$$?; \
-		grep -v "^liger\|^cce\|^quack" $${OUT:-out}/bench.log | tail -40; [ $$rc = 0 ] || exit $$rc
-	@if [ -f $${OUT:-out}/sanitizer-findings.txt ]; then echo "compute-sanitizer reported errors or hazards:"; \
-		cat $${OUT:-out}/sanitizer-findings.txt; exit 9; fi
 
 # Nsight Compute on the forward kernel (the SM90 machine runs Firecracker, where ncu reads the counters; clocks left
 # alone): one profiled call each of PROFILE_LAUNCH (default cta-128x256; PROFILE_KERNEL, the kernel name regex, default

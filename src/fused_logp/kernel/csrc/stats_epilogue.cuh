@@ -47,6 +47,21 @@ __device__ __forceinline__ float pick(const float (&x)[N], int i) {
   return r;
 }
 
+// One reduce-scatter level of the tree over the flattened nodes x: split bit S, partner lane xor XM. The thread keeps
+// the nodes whose bit S equals mine, receives its partner's value of each (one shuffle a node) and adds; y[k] is the
+// node k of x with bit S removed.
+template <int S, int XM, int N>
+__device__ __forceinline__ void reduce_scatter_level(const float (&x)[N], float (&y)[N / 2], int mine) {
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+    const int lo = ((k >> S) << (S + 1)) | (k & ((1 << S) - 1));
+    const int hi = lo | (1 << S);
+    const float send = mine ? x[lo] : x[hi];
+    const float keep = mine ? x[hi] : x[lo];
+    y[k] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, XM));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // The statistics of one consumer warpgroup's tile, rows row0 + [0, 64) and columns col0 + [0, WGN), from its
 // accumulator registers (after the bias, added in place). Thread (warp w, lane l; g = l / 4, q = l % 4) holds rows
@@ -84,6 +99,9 @@ __device__ __forceinline__ void wg_reg_stats_body(float (&acc)[WGN / 2], const F
   float T[2];
   long long tcol[2];
   item_rows(p, row, T, tcol);
+  // warp-uniform: some row of the warp's second eight (h = 1) is real; where none is, the h = 1 pairs are skipped
+  // (their nodes enter the shuffles as +0 and nothing of them is stored)
+  const bool live1 = row - lane / 4 + 8 < p.n_rows;
 
   if (p.bias != nullptr) {
 #pragma unroll
@@ -128,6 +146,10 @@ __device__ __forceinline__ void wg_reg_stats_body(float (&acc)[WGN / 2], const F
   for (int P = 0; P < NP; ++P) {
     const int h = P / NV, vt = P % NV;
     const int tile_col = col0 + kTile * vt;
+    if (h == 1 && !live1) {
+      M[P] = 0.0f;
+      continue;
+    }
     float mx = __int_as_float(0xFF800000), mn = __int_as_float(0x7F800000);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
@@ -173,6 +195,11 @@ __device__ __forceinline__ void wg_reg_stats_body(float (&acc)[WGN / 2], const F
   for (int P = 0; P < NP; ++P) {
     const int h = P / NV, vt = P % NV;
     const int tile_col = col0 + kTile * vt;
+    if (h == 1 && !live1) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) v[8 * P + jj] = 0.0f;
+      continue;
+    }
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       float ex[2];
@@ -186,27 +213,12 @@ __device__ __forceinline__ void wg_reg_stats_body(float (&acc)[WGN / 2], const F
       v[8 * P + jj] = __fadd_rn(ex[0], ex[1]);
     }
   }
-  // level 2: split bit S1, partner lane xor 1, this thread keeps the nodes whose bit S1 is b0
+  // level 2: split bit S1, partner lane xor 1; level 3: split bit S2 (of the index with bit S1 removed), xor 2
   float u[F / 2];
-#pragma unroll
-  for (int k = 0; k < F / 2; ++k) {
-    const int lo = ((k >> S1) << (S1 + 1)) | (k & ((1 << S1) - 1));
-    const int hi = lo | (1 << S1);
-    const float send = b0 ? v[lo] : v[hi];
-    const float keep = b0 ? v[hi] : v[lo];
-    u[k] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 1));
-  }
-  // level 3: split bit S2 (of the index with bit S1 removed), partner lane xor 2, kept where it is b1
+  reduce_scatter_level<S1, 1>(v, u, b0);
   constexpr int S2r = S2 > S1 ? S2 - 1 : S2;
   float t3[F / 4];
-#pragma unroll
-  for (int k = 0; k < F / 4; ++k) {
-    const int lo = ((k >> S2r) << (S2r + 1)) | (k & ((1 << S2r) - 1));
-    const int hi = lo | (1 << S2r);
-    const float send = b1 ? u[lo] : u[hi];
-    const float keep = b1 ? u[hi] : u[lo];
-    t3[k] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 2));
-  }
+  reduce_scatter_level<S2r, 2>(u, t3, b1);
   // levels 4-6 and the stores of the thread's own pairs
   constexpr int OWN = NP == 8 ? 2 : 1;
 #pragma unroll
