@@ -6,6 +6,7 @@ between the first rounds of a size and the later ones, so a ratio to the GEMM is
 writes (OUT/ab.json) the per-configuration medians and every round's figure. Single runs of the forward benchmark
 differ by up to ~4% on the H200 machine; this is the comparison to use for differences of that size. Defaults: D=4096,
 V=151936, T=1, bf16 random inputs.
+A name NAME+mainloop times configuration NAME's mainloop alone (the timing hook, no statistics).
 Usage: PYTHONPATH=src python -P bench/ab_launches.py [--n 2048,8192] [--launches gemm,a,b] [--rounds 7] [--iters 10]
        [--temperature 0.7] [--return-logits] [--tag t07]   (writes OUT/ab.json, or OUT/ab-TAG.json)"""
 import argparse
@@ -48,15 +49,15 @@ def main():
             torch.mm(h, w.t())
 
         def set_launch(name):
-            if name != "gemm":
-                be.launch = name
+            if name != "gemm":     # NAME+mainloop: the timing hook (the mainloop without the statistics)
+                be.launch, be.mainloop_only = name.split("+")[0], name.endswith("+mainloop")
 
         times = interleaved_rounds({name: gemm if name == "gemm" else ours for name in names}, args.rounds,
                                    args.iters, before=set_launch)
         res["n"][n] = {name: {"median_ms": round(statistics.median(v), 3), "all": [round(x, 3) for x in v]}
                        for name, v in times.items()}
         print(n, json.dumps(res["n"][n]), flush=True)
-    be.launch = "auto"
+    be.launch, be.mainloop_only = "auto", False
     with open(os.path.join(args.out, f"ab-{args.tag}.json" if args.tag else "ab.json"), "w") as f:
         json.dump(res, f, indent=1)
 

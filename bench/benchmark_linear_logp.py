@@ -108,8 +108,8 @@ def main():
                          "take none)")
     ap.add_argument("--launch", default="auto", help="launch configuration of the 'ours' columns (sm90.LAUNCHES)")
     ap.add_argument("--sweep", default="",
-                    help="extra launch configurations to time, e.g. cta-128x256,cta-128x256-fast-x3+mainloop "
-                         "(+mainloop: the timing hook, mainloop without statistics)")
+                    help="extra launch configurations to time, also in the interleaved rounds, e.g. "
+                         "cta-128x256,cta-128x256+mainloop (+mainloop: the timing hook, mainloop without statistics)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--energy", type=float, default=0.6,
@@ -232,13 +232,16 @@ def _run(args, temperature, be, peers, dev):
                     row[name + "_error"] = peer_lib.err(e)
                 torch.cuda.empty_cache()
             if all(row[k] == row[k] for k in ("gemm_bf16_ms", "ours_ms", "ours_logits_ms")):   # no OOM (NaN)
-                il = _interleaved({"gemm_bf16": gemm_bf16, "ours": ours, "ours_logits": ours_logits},
+                # the --sweep configurations join the same rounds (their ratio to the GEMM beside ours')
+                il = _interleaved({"gemm_bf16": gemm_bf16, "ours": ours, "ours_logits": ours_logits, **dict(extra)},
                                   row["gemm_bf16_ms"])
                 torch.cuda.empty_cache()
             else:
-                il = {"gemm_bf16": float("nan"), "ours": float("nan"), "ours_logits": float("nan")}
+                il = {k: float("nan") for k in ("gemm_bf16", "ours", "ours_logits", *(name for name, _ in extra))}
             for k, ms in il.items():
                 row[k + "_interleaved_ms"] = ms
+            for name, _ in extra:
+                row[f"ratio_{name}_vs_gemm_interleaved"] = il[name] / il["gemm_bf16"]
             row["ratio_ours_vs_gemm_interleaved"] = il["ours"] / il["gemm_bf16"]
             row["ratio_ours_logits_vs_ours_interleaved"] = il["ours_logits"] / il["ours"]
             row["ratio_ours_vs_gemm"] = row["ours_ms"] / row["gemm_bf16_ms"]
@@ -251,7 +254,8 @@ def _run(args, temperature, be, peers, dev):
                              and k not in ("ours_ms", "ours_logits_ms"))
             print(f"  V={v} N={n}: gemm {row['gemm_bf16_ms']:.3f} ms, ours {row['ours_ms']:.3f} ms "
                   f"({row['ratio_ours_vs_gemm']:.3f}x; interleaved {row['ratio_ours_vs_gemm_interleaved']:.3f}x) "
-                  f"{sweep}", flush=True)
+                  f"{sweep}" + "".join(f" {name[5:]} interleaved {row[f'ratio_{name}_vs_gemm_interleaved']:.3f}x"
+                                       for name, _ in extra), flush=True)
             del hs, tg, temp, ones
         del w
         torch.cuda.empty_cache()

@@ -59,50 +59,45 @@ def run_mpstart(model_dir, plugin: bool) -> dict:
     return res
 
 
-def _compare(outs, captured, weight, programs) -> dict:
-    """Every recorded value of each output against the trainer op on its captured rows (matched by request id)."""
+def _compare(outs, captured, weight) -> dict:
+    """Every recorded value of each output against the trainer's call (vllm_plugin.expected_values in
+    processed_logprobs, the mode these engines run) on its captured rows (matched by request id) and their sampling
+    record: sampled tokens at the request's scoring temperature and program, prompt tokens as vLLM scores them
+    (T = 1, the full vocabulary)."""
     import torch
 
     with torch.inference_mode():        # the op's per-device state may have been made under vLLM's inference mode
-        return _compare_rows(outs, captured, weight, programs)
+        return _compare_rows(outs, captured, weight)
 
 
-def _compare_rows(outs, captured, weight, programs) -> dict:
+def _compare_rows(outs, captured, weight) -> dict:
     import torch
 
-    from fused_logp import linear_logp
-    from fused_logp.kernel.transforms import program_logp_from_logits
-    from fused_logp.shared_contract.sampling import scoring_temperature
+    from fused_logp.vllm_plugin import expected_values
     from fused_logp.vllm_plugin.status_rpc import same_request
 
     n_vals = n_bad = n_neginf = 0
     first_bad = None
-    for o, (temp, prog) in zip(outs, programs):
+    for o in outs:
         rows = [c for c in captured if same_request(c["req_id"], o.request_id)]
         for kind, dicts in (("sample", o.outputs[0].logprobs), ("prompt", (o.prompt_logprobs or [None])[1:])):
             rs = [c for c in rows if c["kind"] == kind]
             if not dicts:
                 continue
             assert len(rs) == len(dicts), (kind, len(rs), len(dicts))
-            h = torch.tensor([c["hidden"] for c in rs], dtype=torch.int16).view(torch.bfloat16).to(DEV)
-            t = scoring_temperature(temp)
-            for r, (c, d) in enumerate(zip(rs, dicts)):
-                ids = torch.tensor(c["ids"], dtype=torch.int64, device=DEV)
+            for c, d in zip(rs, dicts):
+                h = torch.tensor([c["hidden"]], dtype=torch.int16).view(torch.bfloat16).to(DEV)
+                ids = torch.tensor([c["ids"]], dtype=torch.int64, device=DEV)
                 got = torch.tensor([d[i].logprob for i in c["ids"]], dtype=torch.float64).to(torch.float32).to(DEV)
-                if prog is None or prog.is_neutral(VOCAB):
-                    want = linear_logp(h[r:r + 1].expand(len(ids), -1), weight, ids,
-                                       temperature=t, vocab_size=VOCAB).logp
-                else:
-                    z = linear_logp(h[r:r + 1], weight, ids[:1], return_logits=True, vocab_size=VOCAB).logits
-                    lp, _, kept = program_logp_from_logits(z.expand(len(ids), -1), ids, prog, require_kept=False)
-                    want = torch.where(kept, lp, torch.full_like(lp, float("-inf")))
-                    n_neginf += int((~kept).sum())
+                want = expected_values(h, weight, ids, logprobs_mode="processed_logprobs", kind=kind,
+                                       sampling=c["sampling"], vocab_size=VOCAB)[0]
+                n_neginf += int(torch.isneginf(want).sum())
                 bad = int((got.view(torch.int32) != want.view(torch.int32)).sum())
-                n_vals += len(ids)
+                n_vals += len(c["ids"])
                 n_bad += bad
                 if bad and first_bad is None:
                     first_bad = {"req": o.request_id, "kind": kind, "ids": c["ids"], "vllm": got.tolist(),
-                                 "op": want.tolist()}
+                                 "op": want.tolist(), "sampling": c["sampling"]}
     return {"values": n_vals, "mismatches": n_bad, "neg_inf_columns": n_neginf, "first_mismatch": first_bad}
 
 
@@ -112,11 +107,10 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     from fused_logp import weight_fingerprint
-    from fused_logp.vllm_plugin.policy import transform_program
 
     t0 = time.time()
-    # the comparison (_compare) scores each value at its request's temperature and program: processed_logprobs, the
-    # RL recipe's mode (every mode is checked by `modes`)
+    # processed_logprobs, the RL recipe's mode (every mode is checked by `modes`); _compare scores each value as the
+    # trainer does for that mode
     llm = _engine(model_dir, plugin=True, capture=True, eager=(mode == "eager"), max_num_seqs=128,
                   logprobs_mode="processed_logprobs")
     res = {"runner": runner, "mode": mode, "start_s": round(time.time() - t0, 1)}
@@ -134,7 +128,7 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
     cases = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=0.0), dict(temperature=1.3),
              dict(temperature=0.8, top_k=50), dict(temperature=1.0, top_p=0.9), dict(temperature=1.0, min_p=0.1),
              dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05)]
-    prompts, params, meta = [], [], []
+    prompts, params = [], []
     for i, kw in enumerate(cases):
         for j in range(2):
             p = torch.randint(0, VOCAB, (5 + 3 * j,), generator=g).tolist()
@@ -142,24 +136,22 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
                                 ignore_eos=True, **kw)
             prompts.append(TokensPrompt(prompt_token_ids=p))
             params.append(sp)
-            meta.append((sp.temperature, transform_program(sp)))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    res["modes"] = _compare(outs, llm.collective_rpc("fused_logp_captured")[0], weight, meta)
+    res["modes"] = _compare(outs, llm.collective_rpc("fused_logp_captured")[0], weight)
 
     # 64 concurrent requests, then each alone
     cprompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (4 + i % 9,), generator=g).tolist())
                 for i in range(64)]
     cparams = [SamplingParams(max_tokens=16, logprobs=2, temperature=[1.0, 0.7, 0.0, 1.3][i % 4], seed=500 + i,
                               ignore_eos=True) for i in range(64)]
-    cmeta = [(sp.temperature, None) for sp in cparams]
     conc = llm.generate(cprompts, cparams, use_tqdm=False)
     cap_conc = llm.collective_rpc("fused_logp_captured")[0]
-    res["concurrent64"] = _compare(conc, cap_conc, weight, cmeta)
+    res["concurrent64"] = _compare(conc, cap_conc, weight)
     alone_cmp = {"values": 0, "mismatches": 0}
     same_tokens = same_logprobs = 0
     for i in range(64):
         o = llm.generate([cprompts[i]], [cparams[i]], use_tqdm=False)[0]
-        c = _compare([o], llm.collective_rpc("fused_logp_captured")[0], weight, [cmeta[i]])
+        c = _compare([o], llm.collective_rpc("fused_logp_captured")[0], weight)
         alone_cmp["values"] += c["values"]
         alone_cmp["mismatches"] += c["mismatches"]
         same_tokens += list(o.outputs[0].token_ids) == list(conc[i].outputs[0].token_ids)
@@ -181,7 +173,7 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
     res["reload"] = {"fingerprint_moved": after["fingerprint"] != head["fingerprint"],
                      "fingerprint_equal_trainer": after["fingerprint"] == weight_fingerprint(new_w),
                      "fingerprint_changes": after["fingerprint_changes"],
-                     "after_reload": _compare(o, llm.collective_rpc("fused_logp_captured")[0], new_w, meta[:2])}
+                     "after_reload": _compare(o, llm.collective_rpc("fused_logp_captured")[0], new_w)}
     res["total_s"] = round(time.time() - t0, 1)
     return res
 
