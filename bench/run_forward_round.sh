@@ -20,7 +20,7 @@ else
 fi
 timeout ${FWD_TIMEOUT:-400} python3 -P bench/benchmark_linear_logp.py --vocab 151936 --temperature 1,0.7 --tag h200-v2 \
   --energy ${ENERGY:-1} --out "$OUT" ${FWD_ARGS:-} > "$OUT/bench.log" 2>&1; echo "forward rc=$?"; grep -A8 "^NVIDIA\|interleaved rounds" "$OUT/bench.log"
-if [ -n "${BWD:-1}" ]; then
+if [ -n "${BWD-1}" ]; then
   timeout 150 python3 -P bench/benchmark_linear_logp_backward.py --n 8192 --out "$OUT/backward.json" > "$OUT/bench-bwd.log" 2>&1; echo "backward rc=$?"; tail -8 "$OUT/bench-bwd.log"
 fi
 for tool in ${SAN-memcheck racecheck synccheck}; do
