@@ -85,6 +85,9 @@ SMOKE_NOBIAS_SHAPE ?= 256,320,12288,12288
 # the extension built (or loaded) once; exit 4 when the backend is unavailable
 SM90_BUILD = $(GPU_ENV) $(PYTHON) -P -c "from fused_logp.kernel.sm90 import SM90Backend; ok = SM90Backend().available(); \
 	print(ok); raise SystemExit(0 if ok[0] else 4)"
+# exit 9, listing them, where the sanitizer runs (gpu-sanitizers-run) left findings
+SANITIZER_FINDINGS_FAIL = if [ -f $${OUT:-out}/sanitizer-findings.txt ]; then \
+	echo "compute-sanitizer reported errors or hazards:"; cat $${OUT:-out}/sanitizer-findings.txt; exit 9; fi
 gpu-kernel-round: peer-site
 	@mkdir -p $${OUT:-out}
 	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
@@ -94,8 +97,7 @@ gpu-kernel-round: peer-site
 	$(MAKE) --no-print-directory gpu-sanitizers-run
 	$(PEER_ENV) $(PYTHON) -P bench/benchmark_linear_logp.py $(FWD_ARGS) > $${OUT:-out}/bench.log 2>&1; rc=$$?; \
 		grep -v "^liger\|^cce\|^quack" $${OUT:-out}/bench.log | tail -40; [ $$rc = 0 ] || exit $$rc
-	@if [ -f $${OUT:-out}/sanitizer-findings.txt ]; then echo "compute-sanitizer reported errors or hazards:"; \
-		cat $${OUT:-out}/sanitizer-findings.txt; exit 9; fi
+	@$(SANITIZER_FINDINGS_FAIL)
 
 # compute-sanitizer memcheck, racecheck and synccheck on the smoke run of SMOKE_LAUNCHES (and auto) at the three
 # shapes of gpu-kernel-round, the extension built first; findings fail it (exit 9) once all nine runs are done.
@@ -104,8 +106,7 @@ gpu-sanitizers:
 	@mkdir -p $${OUT:-out}
 	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
 	$(MAKE) --no-print-directory gpu-sanitizers-run
-	@if [ -f $${OUT:-out}/sanitizer-findings.txt ]; then echo "compute-sanitizer reported errors or hazards:"; \
-		cat $${OUT:-out}/sanitizer-findings.txt; exit 9; fi
+	@$(SANITIZER_FINDINGS_FAIL)
 
 gpu-sanitizers-run:
 	@mkdir -p $${OUT:-out}

@@ -59,6 +59,21 @@ def run_mpstart(model_dir, plugin: bool) -> dict:
     return res
 
 
+def _recorded_and_expected(c, d, weight, logprobs_mode: str, kind: str):
+    """FP32 on DEV: the values vLLM recorded for captured row c (d: its logprob dict, by id) and the trainer's call
+    for them (vllm_plugin.expected_values in logprobs_mode, with the row's sampling record)."""
+    import torch
+
+    from fused_logp.vllm_plugin import expected_values
+
+    h = torch.tensor([c["hidden"]], dtype=torch.int16).view(torch.bfloat16).to(DEV)
+    ids = torch.tensor([c["ids"]], dtype=torch.int64, device=DEV)
+    want = expected_values(h, weight, ids, logprobs_mode=logprobs_mode, kind=kind, sampling=c["sampling"],
+                           vocab_size=VOCAB)[0]
+    got = torch.tensor([d[i].logprob for i in c["ids"]], dtype=torch.float64).to(torch.float32).to(DEV)
+    return got, want
+
+
 def _compare(outs, captured, weight) -> dict:
     """Every recorded value of each output against the trainer's call (vllm_plugin.expected_values in
     processed_logprobs, the mode these engines run) on its captured rows (matched by request id) and their sampling
@@ -73,7 +88,6 @@ def _compare(outs, captured, weight) -> dict:
 def _compare_rows(outs, captured, weight) -> dict:
     import torch
 
-    from fused_logp.vllm_plugin import expected_values
     from fused_logp.vllm_plugin.status_rpc import same_request
 
     n_vals = n_bad = n_neginf = 0
@@ -86,11 +100,7 @@ def _compare_rows(outs, captured, weight) -> dict:
                 continue
             assert len(rs) == len(dicts), (kind, len(rs), len(dicts))
             for c, d in zip(rs, dicts):
-                h = torch.tensor([c["hidden"]], dtype=torch.int16).view(torch.bfloat16).to(DEV)
-                ids = torch.tensor([c["ids"]], dtype=torch.int64, device=DEV)
-                got = torch.tensor([d[i].logprob for i in c["ids"]], dtype=torch.float64).to(torch.float32).to(DEV)
-                want = expected_values(h, weight, ids, logprobs_mode="processed_logprobs", kind=kind,
-                                       sampling=c["sampling"], vocab_size=VOCAB)[0]
+                got, want = _recorded_and_expected(c, d, weight, "processed_logprobs", kind)
                 n_neginf += int(torch.isneginf(want).sum())
                 bad = int((got.view(torch.int32) != want.view(torch.int32)).sum())
                 n_vals += len(c["ids"])
@@ -194,7 +204,7 @@ def run_logprobs_mode(model_dir, runner: str, logprobs_mode: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     from fused_logp.shared_contract.sampling import effective_sampling
-    from fused_logp.vllm_plugin import completion_index, expected_values
+    from fused_logp.vllm_plugin import completion_index
 
     t0 = time.time()
     llm = _engine(model_dir, plugin=True, capture=True, eager=False, max_num_seqs=64, logprobs_mode=logprobs_mode)
@@ -238,11 +248,7 @@ def run_logprobs_mode(model_dir, runner: str, logprobs_mode: str) -> dict:
                 if kw["temperature"] in (1e-6, 5e-3):
                     floor.append(c["sampling"]["temperature"])
                 wrong_ids += set(c["ids"]) != set(d)
-                h = torch.tensor([c["hidden"]], dtype=torch.int16).view(torch.bfloat16).to(DEV)
-                ids = torch.tensor([c["ids"]], dtype=torch.int64, device=DEV)
-                want = expected_values(h, weight, ids, logprobs_mode=logprobs_mode, kind=kind,
-                                       sampling=c["sampling"], vocab_size=VOCAB)[0]
-                got = torch.tensor([d[i].logprob for i in c["ids"]], dtype=torch.float64).to(torch.float32).to(DEV)
+                got, want = _recorded_and_expected(c, d, weight, logprobs_mode, kind)
                 nb = int((got.view(torch.int32) != want.view(torch.int32)).sum())
                 vals += len(c["ids"])
                 bad += nb
