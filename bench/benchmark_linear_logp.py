@@ -65,10 +65,14 @@ SMOKE_SHAPE = (70, 208, 1088, 1000)   # N, D, weight rows, V of --smoke
 def smoke(launches=None, shape=SMOKE_SHAPE, bias=True):
     """Every entry and launch configuration (or those named) once on a small ragged shape (N, D, weight rows, V:
     by default N=70, D=208, V=1000 of 1088 rows); with or without a bias (without one, tiles whose rows and columns
-    are all real store their logits on the unchecked path)."""
+    are all real store their logits on the unchecked path). A configuration that takes D and V in multiples of 64
+    only runs on D and V rounded down to them, beside "auto" on the same inputs; one that stores no logits runs
+    without them."""
+    from fused_logp.kernel import sm90
     from fused_logp.kernel.sm90 import LAUNCHES, SM90Backend
 
     be = SM90Backend()
+    be.allow_candidates = True
     ok, why = be.available()
     if not ok:
         sys.exit(f"sm90 backend unavailable: {why}")
@@ -82,8 +86,19 @@ def smoke(launches=None, shape=SMOKE_SHAPE, bias=True):
     ref = None
     names = list(LAUNCHES) if launches is None else launches
     for var in ("auto", *names):
+        if var in sm90._MULTIPLE_OF_64 and (d % 64 or v % 64):
+            d64, v64 = d - d % 64, v - v % 64
+            h64, w64 = h[:, :d64].contiguous(), w[:, :d64].contiguous()
+            tg64 = tg % v64
+            be.launch = "auto"
+            want = be.linear_logp(h64, w64, tg64, bias=b, temperature=t, return_logits=False, vocab_size=v64)
+            be.launch = var
+            out = be.linear_logp(h64, w64, tg64, bias=b, temperature=t, return_logits=False, vocab_size=v64)
+            assert torch.equal(out[0].view(torch.int32), want[0].view(torch.int32)), (var, d64, v64)
+            continue
         be.launch = var
-        out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=True, vocab_size=v)
+        out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=var not in sm90._NO_LOGITS,
+                             vocab_size=v)
         if ref is None:
             ref = out
         assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)), var

@@ -12,6 +12,7 @@ if ls build/wheels/liger_kernel-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target $SITE build/wheels/liger_kernel-*.whl build/wheels/cut_cross_entropy-*.whl
 fi
 export PYTHONPATH=$PWD/src:$PWD/tests:$SITE
+export FUSED_LOGP_CANDIDATE_LAUNCHES=1   # a candidate configuration (kernel/sm90.py) may be named in SWEEP
 QSITE=/tmp/qsite/site-packages
 if [ -f $QSITE/.quack_gpu_ready ]; then
   export PYTHONPATH=$PYTHONPATH:$QSITE:$QSITE/nvidia_cutlass_dsl/dsl_packages; echo "forward round: QuACK from $QSITE"

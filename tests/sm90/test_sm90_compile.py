@@ -111,6 +111,24 @@ def test_named_barriers_of_two_paths_are_the_non_aligned_form():
     assert {i for _, i, _ in call.findall(consumers[:dz_start] + consumers[dz_end:])} == ids
 
 
+def test_pingpong_order_barriers_pair_each_signal_with_one_wait():
+    """The persistent ping-pong kernel orders its consumers' mainloops with two named barriers of its own (ids above
+    every barrier of the CTA kernel), each a wait of one consumer warpgroup (`bar.sync`, 256 threads) and a signal of
+    the other (`bar.arrive`): a consumer waits before every mainloop but its first, and signals after every mainloop
+    that has a successor tile, so that each signal meets exactly one wait."""
+    ptx = (CSRC / "ptx.cuh").read_text()
+    assert re.search(r"void named_bar_arrive\(int id\) \{\s*asm volatile\(\"bar\.arrive %0, %1;\"", ptx)
+    k = (CSRC / "pingpong_kernel.cuh").read_text()
+    assert "constexpr int kOrderBar = 5;" in k
+    assert "constexpr int kStagedBar = 4;" in (CSRC / "fused_params.cuh").read_text()    # the CTA kernel's highest
+    assert re.findall(r"named_bar_\w+<[^>]*>\(kOrderBar[^;]*;", k) == ["named_bar_sync<256>(kOrderBar + c);",
+                                                                      "named_bar_arrive<256>(kOrderBar + (1 - c));"]
+    assert "if (i > 0) named_bar_sync<256>(kOrderBar + c);" in k
+    assert "if (tile + gridDim.x < tiles) named_bar_arrive<256>(kOrderBar + (1 - c));" in k
+    assert "for (int i = c;; i += 2) {" in k
+    assert k.count("__syncthreads()") == 1 and "asm" not in k      # the barriers' initialisation; no other barrier
+
+
 def _nvcc():
     return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
 
@@ -165,10 +183,11 @@ def test_sm90a_compiles_without_spills(ptxas_reports):
 
 
 def test_full_k_mainloop_has_no_injected_wgmma_waits(ptxas_reports):
-    """The D % 64 == 0 instantiations (FULL_K, the first bool template argument of every kernel: Lb1) issue
-    wgmma straight-line: ptxas must not serialise them."""
+    """The D % 64 == 0 instantiations (FULL_K, the first bool template argument of every CTA kernel: Lb1; the
+    ping-pong kernel, which takes only such D) issue wgmma straight-line: ptxas must not serialise them."""
     for src, (rc, text) in ptxas_reports.items():
         for line in text.splitlines():
             if any(code in line for code in ("C7508", "C7510", "C7515", "C7519", "C7520")):
+                assert "pingpong_kernel" not in line, f"{src}: {line}"
                 first_bool = re.search(r"Lb([01])E", line)
                 assert first_bool is None or first_bool.group(1) == "0", f"{src}: {line}"

@@ -22,7 +22,8 @@ from .sm90_aux import SM90Aux, SM90TestHooks
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_64x256.cu",
-            "sm90_cta_64x128.cu", "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
+            "sm90_cta_64x128.cu", "sm90_pingpong_128x192.cu", "sm90_backward.cu", "sm90_transforms.cu",
+            "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
@@ -30,7 +31,17 @@ _TILE = C.VOCAB_TILE
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
 # of them, chosen by row count. With return_logits, the producer warpgroup stores the logits while the consumer
 # warps compute the statistics (docs/design/sm90-kernel.md).
-LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128")
+LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192")
+
+# Configurations that are built but have not yet passed `make test-gpu` on an H200: a call naming one is refused
+# unless FUSED_LOGP_CANDIDATE_LAUNCHES=1 (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto"
+# never picks one.
+CANDIDATE_LAUNCHES = frozenset({"pingpong-128x192"})
+
+# What a configuration does not take, refused before its launch (the extension refuses it too): the persistent
+# ping-pong kernel stores no logits and takes D and the vocabulary (shard) width in multiples of 64.
+_NO_LOGITS = frozenset({"pingpong-128x192"})
+_MULTIPLE_OF_64 = frozenset({"pingpong-128x192"})
 
 
 # H200 A/B (docs/design/sm90-kernel.md, "Small N"): 64x256 ahead at 160, 192 and 320 rows (odd 64-row tile
@@ -122,6 +133,8 @@ class SM90Backend:
     def __init__(self):
         # Launch configuration, a free axis (a name of LAUNCHES); tests set it to prove that it changes no bit.
         self.launch = "auto"
+        # Whether a call may name a configuration of CANDIDATE_LAUNCHES.
+        self.allow_candidates = os.environ.get("FUSED_LOGP_CANDIDATE_LAUNCHES") == "1"
         # Benchmarks only: run the mainloop without the statistics (the outputs are then meaningless).
         self.mainloop_only = False
         # Tests set an int32 NaN pattern: outputs are filled with it before each launch (unwritten ones show).
@@ -182,23 +195,34 @@ class SM90Backend:
             raise RuntimeError(f"sm90 backend unavailable: {why}")
         return _ext
 
-    def _launch_name(self, n_rows: int) -> str:
+    def _launch_name(self, n_rows: int, d: int, n_real: int, return_logits: bool) -> str:
         name = auto_launch(n_rows) if self.launch == "auto" else self.launch
         if name not in LAUNCHES:
             raise ValueError(f"launch must be 'auto' or one of {list(LAUNCHES)}, got {self.launch!r}")
+        if name in CANDIDATE_LAUNCHES and not self.allow_candidates:
+            raise ValueError(f"launch {name!r} has not passed the GPU test suite yet; set "
+                             "FUSED_LOGP_CANDIDATE_LAUNCHES=1 to run it, or use 'auto'")
+        takes = [c for c in LAUNCHES if c not in _NO_LOGITS]
+        if return_logits and name in _NO_LOGITS:
+            raise ValueError(f"launch {name!r} stores no logits: with return_logits use one of {takes}")
+        if name in _MULTIPLE_OF_64 and (d % 64 or n_real % 64):
+            others = [c for c in LAUNCHES if c not in _MULTIPLE_OF_64]
+            raise ValueError(f"launch {name!r} takes D and the vocabulary width in multiples of 64, got D = {d} and "
+                             f"width {n_real}; use 'auto' or one of {others}")
         return name
 
     # -- entries ----------------------------------------------------------------------------------------------
     def _stats(self, hidden, weight, targets, temperature, bias, vocab_start, n_real, return_logits,
                target_logit):
-        ext = self._module()
         n = hidden.shape[0]
+        launch = self._launch_name(n, hidden.shape[1], n_real, return_logits)
+        ext = self._module()
         nt = _cdiv(n_real, _TILE)
         tile_max = self._empty(n, nt, device=hidden.device)
         tile_sum = self._empty(n, nt, device=hidden.device)
         logits = self._empty(n, n_real, device=hidden.device) if return_logits else None
-        ext.fused_stats(hidden, weight, targets.contiguous(), temperature.contiguous(), bias, vocab_start, n_real, tile_max, tile_sum,
-                        target_logit, logits, self._launch_name(n), self.mainloop_only)
+        ext.fused_stats(hidden, weight, targets.contiguous(), temperature.contiguous(), bias, vocab_start, n_real,
+                        tile_max, tile_sum, target_logit, logits, launch, self.mainloop_only)
         return tile_max, tile_sum, logits
 
     def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):
@@ -233,7 +257,8 @@ class SM90Backend:
         outputs allocated by the extension (no Python per output). zeros [N] int64 are the target ids (their slots go
         to a scratch row, which is returned), ones [N] FP32 the temperatures."""
         tile_max, tile_sum, logits, scratch = self._module().logits_and_stats(
-            hidden, weight, zeros, ones, bias, vocab_size, self._launch_name(hidden.shape[0]), self.poison)
+            hidden, weight, zeros, ones, bias, vocab_size,
+            self._launch_name(hidden.shape[0], hidden.shape[1], vocab_size, True), self.poison)
         return HeadStats(tile_max, tile_sum, logits, scratch)
 
     def merge_ids(self, tile_max, tile_sum, logits, ids, *, vocab_size, bad_rows, mirror):

@@ -5,10 +5,10 @@
 // into a ring of shared-memory stages, two consumer warpgroups issuing wgmma on each stage). The statistics epilogue
 // runs after the mainloop from each consumer's accumulator registers; the logits, where asked for, are stored by the
 // producer warpgroup from a copy of the accumulators staged in the idle ring (stats_epilogue.cuh). Schedules that
-// lost on the H200 and were deleted (docs/design/sm90-kernel.md): a persistent ping-pong kernel whose epilogue ran
-// beside the other consumer's mainloop, the producer warpgroup sharing the epilogue, 2-CTA clusters with weight
-// multicast, this kernel made persistent, and a persistent kernel with the epilogue on warps of its own beside the
-// next tile's mainloop.
+// lost on the H200 and were deleted (docs/design/sm90-kernel.md): a persistent ping-pong kernel with 64-row consumer
+// tiles whose epilogue ran beside the other consumer's mainloop, the producer warpgroup sharing the epilogue, 2-CTA
+// clusters with weight multicast, this kernel made persistent, and a persistent kernel with the epilogue on warps of
+// its own beside the next tile's mainloop. The ping-pong kernel with 128-row consumer tiles is pingpong_kernel.cuh.
 // Which tile computes a logit is a free axis.
 #pragma once
 #include "dz_epilogue.cuh"

@@ -1,5 +1,5 @@
 // Host side of the fused kernels: TMA tensor maps, the checks the forward and backward entries share, and the
-// launch of each configuration (instantiated one per translation unit, sm90_cta_*.cu, so
+// launch of each configuration (instantiated one per translation unit, sm90_cta_*.cu and sm90_pingpong_*.cu, so
 // that the build compiles them in parallel).
 #pragma once
 #include <torch/extension.h>
@@ -109,5 +109,10 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
 extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
+
+// Forward statistics with the persistent ping-pong kernel, 128x192 consumer tiles (sm90_pingpong_128x192.cu): no
+// logits, D a multiple of 64 (it refuses other calls, naming the configurations that take them).
+void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
+                     cudaStream_t stream);
 
 }  // namespace sm90

@@ -1,0 +1,167 @@
+// The persistent ping-pong forward kernel for sm_90a: the contract's logits (section 2 of CONTRACT.md: one FP32
+// wgmma accumulator, K in ascending k16 groups, no split-K) with the statistics epilogue, scheduled so that one
+// consumer warpgroup's statistics run while the other's mainloop runs.
+//
+// One CTA an SM (grid = min(SMs, tiles)); the CTA takes tiles blockIdx.x, + gridDim.x, ... in the grouped raster of
+// tile_coords. Its producer warpgroup (one thread) streams every tile's K blocks, in that order, through one ring of
+// STAGES shared-memory stages. Consumer warpgroup c owns the CTA's tiles i with i % 2 == c, each a whole
+// 128 x 192 tile: two m64n192k16 halves (rows [0, 64) and [64, 128)) that share the stage's B. The two consumers'
+// mainloops run in tile order, one at a time (named barriers kOrderBar + c: consumer c waits at its own before each
+// mainloop but its first, and signals the other's after each mainloop that has a successor tile, so that every signal
+// has exactly one wait); after its mainloop a consumer computes its tile's statistics from its registers while the
+// other consumer's mainloop runs. The order also keeps every mbarrier parity wait within one phase: a consumer
+// waits on a stage's fill k only once fill k - STAGES has been consumed.
+//
+// The statistics run one 64-column slice at a time: the accumulators of columns [64 k, 64 k + 64) of a 64-row half
+// are acc[32 k .. 32 k + 32) and have the register layout of a 64 x 64 warpgroup tile, so wg_reg_stats<64> computes
+// them with the same tree and the same bytes as every other configuration. The launch refuses what this kernel does
+// not take: logits (return_logits), D not a multiple of 64 (every stage holds 4 k16 groups) and n_real not a
+// multiple of 64 (a slice is all real or all beyond n_real: no lane-by-lane check, whose registers the 192
+// accumulators leave no room for).
+#pragma once
+#include "fused_params.cuh"
+#include "ptx.cuh"
+#include "stats_epilogue.cuh"
+
+namespace sm90 {
+
+struct PingPongCfg {
+  static constexpr int BM = 128, BN = 192;
+  static constexpr int HALF_ACC = BN / 2;              // accumulators of a 64-row half, a thread
+  static constexpr int A_BYTES = BM * kBK * 2;
+  static constexpr int B_BYTES = BN * kBK * 2;
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int STAGES = 5;
+  static constexpr int SMEM = STAGES * STAGE_BYTES + 1024 /*align*/ + 256 /*barriers*/;
+  static_assert(SMEM <= 227 * 1024, "the ring fits in an SM's shared memory");
+  static_assert(BN % kTile == 0 && BN <= 256, "whole vocabulary tiles; TMA box");
+};
+
+// Registers a thread: setmaxnreg.inc draws on the CTA's pool, which holds what the launch allocated (one CTA an SM:
+// 65536 / 384 threads, rounded down to a multiple of 8, = 168 a thread). The 2 x 96 accumulators and the statistics
+// of a slice need 240 (ptxas spills at 232); the producer's one thread runs in 24.
+constexpr int kPingPongProducerRegs = 24, kPingPongConsumerRegs = 240;
+static_assert(128 * kPingPongProducerRegs + 128 * kConsumers * kPingPongConsumerRegs <= 168 * kThreads,
+              "setmaxnreg.inc would wait forever for registers the pool does not hold");
+
+// Named barriers of the ping-pong kernel: kOrderBar + c, consumer c may begin its next mainloop. (0: the block's.)
+constexpr int kOrderBar = 5;
+
+__global__ void __launch_bounds__(kThreads, 1)
+pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
+                const FusedParams p) {
+  using C = PingPongCfg;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::STAGES * C::STAGE_BYTES);
+  uint64_t* empty = full + C::STAGES;
+
+  const int tiles = p.num_m * p.num_n;
+  const int kblocks = p.d / kBK;
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 1);     // each stage is read by one consumer warpgroup
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // Producer warpgroup: one thread issues the TMA loads of every tile of this CTA, K blocks in order.
+    setmaxnreg_dec<kPingPongProducerRegs>();
+    if (threadIdx.x == 0) {
+      int seq = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int mt, ntile;
+        tile_coords(tile, p.num_m, p.num_n, mt, ntile);
+        for (int kb = 0; kb < kblocks; ++kb, ++seq) {
+          const int s = seq % C::STAGES;
+          mbar_wait(&empty[s], ((seq / C::STAGES) & 1) ^ 1);
+          uint8_t* a = smem + s * C::STAGE_BYTES;
+          mbar_expect_tx(&full[s], C::STAGE_BYTES);
+          tma_load_2d(a, &map_h, &full[s], kb * kBK, mt * C::BM);
+          tma_load_2d(a + C::A_BYTES, &map_w, &full[s], kb * kBK, ntile * C::BN);
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kPingPongConsumerRegs>();
+  const int c = wg - 1;
+  const bool leader = threadIdx.x % 128 == 0;
+  // the CTA's tiles i = c, c + 2, ...: tile blockIdx.x + i gridDim.x, K blocks from seq = i kblocks of the ring's
+  // sequence
+  for (int i = c;; i += 2) {
+    const int tile = blockIdx.x + i * gridDim.x;
+    if (tile >= tiles) break;
+    const int seq = i * kblocks;
+    int mt, ntile;
+    tile_coords(tile, p.num_m, p.num_n, mt, ntile);
+    const int m0 = mt * C::BM, n0 = ntile * C::BN;
+    if (i > 0) named_bar_sync<256>(kOrderBar + c);       // the other consumer's mainloop of tile i - 1 is done
+
+    float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
+#pragma unroll
+    for (int k = 0; k < C::HALF_ACC; ++k) acc0[k] = acc1[k] = 0.0f;
+    for (int kb = 0; kb < kblocks; ++kb) {
+      const int q = seq + kb, s = q % C::STAGES;
+      mbar_wait(&full[s], (q / C::STAGES) & 1);
+      const uint8_t* a = smem + s * C::STAGE_BYTES;
+      const uint64_t da0 = smem_desc(a), da1 = smem_desc(a + 64 * (kBK * 2)), db = smem_desc(a + C::A_BYTES);
+      reg_fence<C::HALF_ACC>(acc0);
+      reg_fence<C::HALF_ACC>(acc1);
+      wgmma_fence();
+      // ascending k16 groups; +32 bytes along the swizzled 128-byte row is +2 in descriptor units
+#pragma unroll
+      for (int g = 0; g < kGroupsPerStage; ++g) {
+        wgmma_m64n192k16(acc0, da0 + 2 * g, db + 2 * g);
+        wgmma_m64n192k16(acc1, da1 + 2 * g, db + 2 * g);
+      }
+      wgmma_commit();
+      // keep this stage's batch in flight; the previous one is done: release its stage
+      wgmma_wait<1>();
+      reg_fence<C::HALF_ACC>(acc0);
+      reg_fence<C::HALF_ACC>(acc1);
+      if (kb > 0 && leader) mbar_arrive(&empty[(q - 1) % C::STAGES]);
+    }
+    wgmma_wait<0>();
+    reg_fence<C::HALF_ACC>(acc0);
+    reg_fence<C::HALF_ACC>(acc1);
+    if (leader) mbar_arrive(&empty[(seq + kblocks - 1) % C::STAGES]);
+    if (tile + gridDim.x < tiles) named_bar_arrive<256>(kOrderBar + (1 - c));   // the next tile's mainloop may begin
+
+    if (p.skip_epilogue) {   // timing hook: the mainloop alone
+      float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+      for (int k = 0; k < C::HALF_ACC; ++k) {
+        s0 += acc0[k];
+        s1 += acc1[k];
+      }
+      const int row = m0 + (threadIdx.x % 128) / 4;
+      if ((threadIdx.x % 4) == 0 && n0 < p.n_real) {
+        if (row < p.n_rows) p.tile_max[static_cast<long long>(row) * p.nt + n0 / kTile] = s0;
+        if (row + 64 < p.n_rows) p.tile_max[static_cast<long long>(row + 64) * p.nt + n0 / kTile] = s1;
+      }
+      continue;
+    }
+    // n_real is a multiple of 64: a slice is all real or all beyond it (then skipped), never checked lane by lane
+    const bool rows0 = m0 + 16 * ((threadIdx.x % 128) / 32) < p.n_rows;     // warp-uniform: a real row of the warp
+    const bool rows1 = m0 + 64 + 16 * ((threadIdx.x % 128) / 32) < p.n_rows;
+#pragma unroll
+    for (int k = 0; k < C::BN / kTile; ++k)
+      if (rows0 && n0 + kTile * k < p.n_real)
+        wg_reg_stats_body<kTile, false>(*reinterpret_cast<float(*)[kTile / 2]>(acc0 + (kTile / 2) * k), p, m0,
+                                        n0 + kTile * k);
+#pragma unroll
+    for (int k = 0; k < C::BN / kTile; ++k)
+      if (rows1 && n0 + kTile * k < p.n_real)
+        wg_reg_stats_body<kTile, false>(*reinterpret_cast<float(*)[kTile / 2]>(acc1 + (kTile / 2) * k), p, m0 + 64,
+                                        n0 + kTile * k);
+  }
+}
+
+}  // namespace sm90
