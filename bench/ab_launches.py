@@ -37,12 +37,6 @@ def main():
     args = ap.parse_args()
     be = backend("ab_launches")
     names = [x for x in args.launches.split(",") if x]
-    if args.return_logits:        # a configuration that stores no logits has no rollout-path figure
-        from fused_logp.kernel.sm90 import _NO_LOGITS
-        skipped = [x for x in names if x.split("+")[0] in _NO_LOGITS]
-        names = [x for x in names if x not in skipped]
-        if skipped:
-            print("ab_launches: no logits path, not timed:", ", ".join(skipped), flush=True)
     res = {"d": args.d, "vocab": args.vocab, "temperature": args.temperature, "return_logits": args.return_logits,
            "rounds": args.rounds, "iters": args.iters, "n": {}}
     for n in [int(x) for x in args.n.split(",")]:

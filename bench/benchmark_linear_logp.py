@@ -66,8 +66,7 @@ def smoke(launches=None, shape=SMOKE_SHAPE, bias=True):
     """Every entry and launch configuration (or those named) once on a small ragged shape (N, D, weight rows, V:
     by default N=70, D=208, V=1000 of 1088 rows); with or without a bias (without one, tiles whose rows and columns
     are all real store their logits on the unchecked path). A configuration that takes D and V in multiples of 64
-    only runs on D and V rounded down to them, beside "auto" on the same inputs; one that stores no logits runs
-    without them."""
+    only runs on D and V rounded down to them, beside "auto" on the same inputs."""
     from fused_logp.kernel import sm90
     from fused_logp.kernel.sm90 import LAUNCHES, SM90Backend
 
@@ -91,14 +90,14 @@ def smoke(launches=None, shape=SMOKE_SHAPE, bias=True):
             h64, w64 = h[:, :d64].contiguous(), w[:, :d64].contiguous()
             tg64 = tg % v64
             be.launch = "auto"
-            want = be.linear_logp(h64, w64, tg64, bias=b, temperature=t, return_logits=False, vocab_size=v64)
+            want = be.linear_logp(h64, w64, tg64, bias=b, temperature=t, return_logits=True, vocab_size=v64)
             be.launch = var
-            out = be.linear_logp(h64, w64, tg64, bias=b, temperature=t, return_logits=False, vocab_size=v64)
+            out = be.linear_logp(h64, w64, tg64, bias=b, temperature=t, return_logits=True, vocab_size=v64)
             assert torch.equal(out[0].view(torch.int32), want[0].view(torch.int32)), (var, d64, v64)
+            assert torch.equal(out[2].view(torch.int32), want[2].view(torch.int32)), (var, d64, v64)
             continue
         be.launch = var
-        out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=var not in sm90._NO_LOGITS,
-                             vocab_size=v)
+        out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=True, vocab_size=v)
         if ref is None:
             ref = out
         assert torch.equal(out[0].view(torch.int32), ref[0].view(torch.int32)), var

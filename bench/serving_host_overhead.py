@@ -78,7 +78,7 @@ def main():
             lg, sc = torch.empty(n, v, device=dev), torch.empty(n, device=dev)
             errs = op._row_errors(dev, True)
             mark = Mark(state, None, stats)
-            lid = be._launch_name(n, d, v, True)
+            lid = be._launch_name(n, d, v)
             r = {
                 "head: F.linear bf16 (vLLM)": lambda: torch.nn.functional.linear(h, w),
                 "head: F.linear + .float()": lambda: torch.nn.functional.linear(h, w).float(),

@@ -89,22 +89,15 @@ def targets_for(cgen, n, v):
 
 
 def run(be, h, w, tg, t, b, v, logits=False, variant="auto"):
-    """linear_logp under configuration `variant`. Where the configuration refuses the call (sm90: a configuration
-    without logits, or one that takes D and V in multiples of 64 only), the refusal, naming the argument, is checked;
-    then its logp and lse are those of the call without logits, with the logits of cta-128x256 beside them, or, where
-    it refuses the shape itself, the call runs under cta-128x256."""
+    """linear_logp under configuration `variant`. Where the configuration refuses the shape (sm90: one that takes D
+    and V in multiples of 64 only), the refusal, naming the argument, is checked and the call runs under
+    cta-128x256."""
     from fused_logp.kernel import sm90
     if variant in sm90._MULTIPLE_OF_64 and (h.shape[1] % 64 or v % 64):
         be.launch = variant
         with pytest.raises(ValueError, match="multiples of 64, got D = "):
-            be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=False, vocab_size=v)
+            be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=logits, vocab_size=v)
         variant = "cta-128x256"
-    if logits and variant in sm90._NO_LOGITS:
-        be.launch = variant
-        with pytest.raises(ValueError, match="stores no logits"):
-            be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=True, vocab_size=v)
-        logp, lse, _ = run(be, h, w, tg, t, b, v, variant=variant)
-        return run(be, h, w, tg, t, b, v, logits=True, variant="cta-128x256")._replace(logp=logp, lse=lse)
     be.launch = variant
     out = be.linear_logp(h, w, tg, bias=b, temperature=t, return_logits=logits, vocab_size=v)
     no_sentinel(*out)
@@ -386,27 +379,29 @@ def test_float64_accuracy(be, cgen):
 def test_pingpong_schedule_equals_the_cta_kernel(be, cgen, n, d, v):
     """The persistent ping-pong kernel against cta-128x256, byte for byte: many 128x192 tiles a CTA (the two
     consumers alternate, the ring's sequence runs on across tiles: 7 K blocks in a 5-stage ring), more tiles than
-    SMs with one K block, and the full-size shape; bias, mixed temperatures, a NaN and an inf row, targets at the
-    slice and tile edges, ragged rows, a TP shard."""
+    SMs with one K block, and the full-size shape; with and without the logits (stored by its consumer warps), bias,
+    mixed temperatures, a NaN and an inf row, targets at the slice and tile edges, ragged rows, a TP shard."""
     h, w, t, b = make_inputs(cgen, n, d, v, bias=True)
     h[n // 2, 3] = float("nan")
     h[n - 1, 0] = float("inf")
     tg = targets_for(cgen, n, v)
     edges = torch.tensor([0, 63, 64, 127, 128, 191, 192, v - 1], device="cuda")
     tg[:8] = edges
-    ref = run(be, h, w, tg, t, b, v, variant="cta-128x256")
-    out = run(be, h, w, tg, t, b, v, variant="pingpong-128x192")
-    assert beq(out[0], ref[0]) and beq(out[1], ref[1])
+    ref = run(be, h, w, tg, t, b, v, logits=True, variant="cta-128x256")
+    out = run(be, h, w, tg, t, b, v, logits=True, variant="pingpong-128x192")
+    assert beq(out[0], ref[0]) and beq(out[1], ref[1]) and beq(out[2], ref[2])
+    plain = run(be, h, w, tg, t, b, v, variant="pingpong-128x192")
+    assert beq(plain[0], ref[0]) and beq(plain[1], ref[1])
     assert math.isnan(float(out[0][n // 2])) and math.isnan(float(out[1][n - 1]))
     start, width = 64 * 3, 64 * ((v // 64) // 2)
     shard = {}
     for variant in ("cta-128x256", "pingpong-128x192"):
         be.launch = variant
         st = be.shard_stats(h, w[start:start + width].contiguous(), tg, vocab_start=start, vocab_size=v,
-                            bias=b[start:start + width].contiguous(), temperature=t, return_logits=False)
-        no_sentinel(st["tile_max"], st["tile_sum"], st["target_logit"])
+                            bias=b[start:start + width].contiguous(), temperature=t, return_logits=True)
+        no_sentinel(st["tile_max"], st["tile_sum"], st["target_logit"], st["logits"])
         shard[variant] = st
-    for k in ("tile_max", "tile_sum"):
+    for k in ("tile_max", "tile_sum", "logits"):
         assert beq(shard["pingpong-128x192"][k], shard["cta-128x256"][k]), k
     owned = shard["cta-128x256"]["target_owned"]
     assert beq(shard["pingpong-128x192"]["target_logit"][owned], shard["cta-128x256"]["target_logit"][owned])
@@ -438,9 +433,6 @@ def test_launch_names_are_the_extensions(be, cgen):
                                            "cta-64x128, pingpong-128x192; got 'cta-96x256'"):
         ext.fused_stats(h, w, tg, t, None, 0, 128, out[0], out[1], out[2], None, "cta-96x256", False)
     # the extension refuses what the ping-pong kernel does not take, as the backend does before it
-    with pytest.raises(RuntimeError, match="pingpong-128x192 stores no logits"):
-        ext.fused_stats(h, w, tg, t, None, 0, 128, out[0], out[1], out[2], torch.empty(3, 128, device="cuda"),
-                        "pingpong-128x192", False)
     h80, w80, _, _ = make_inputs(cgen, 3, 80, 128)
     with pytest.raises(RuntimeError, match="pingpong-128x192 takes D a multiple of 64, got D = 80"):
         ext.fused_stats(h80, w80, tg, t, None, 0, 128, out[0], out[1], out[2], None, "pingpong-128x192", False)

@@ -124,7 +124,7 @@ def test_pingpong_order_barriers_pair_each_signal_with_one_wait():
     assert re.findall(r"named_bar_\w+<[^>]*>\(kOrderBar[^;]*;", k) == ["named_bar_sync<256>(kOrderBar + c);",
                                                                       "named_bar_arrive<256>(kOrderBar + (1 - c));"]
     assert "if (i > 0) named_bar_sync<256>(kOrderBar + c);" in k
-    assert "if (tile + gridDim.x < tiles) named_bar_arrive<256>(kOrderBar + (1 - c));" in k
+    assert "if (tile + gridDim.x < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));" in k
     assert "for (int i = c;; i += 2) {" in k
     assert k.count("__syncthreads()") == 1 and "asm" not in k      # the barriers' initialisation; no other barrier
 

@@ -23,9 +23,8 @@ def test_auto_launch_names_a_built_configuration():
 
 def test_auto_never_picks_a_candidate_or_a_configuration_with_limits():
     picked = {sm90.auto_launch(n) for n in range(1, 20000, 7)}
-    assert not picked & (sm90.CANDIDATE_LAUNCHES | sm90._NO_LOGITS | sm90._MULTIPLE_OF_64)
-    assert sm90.CANDIDATE_LAUNCHES <= set(sm90.LAUNCHES)
-    assert (sm90._NO_LOGITS | sm90._MULTIPLE_OF_64) <= set(sm90.LAUNCHES)
+    assert not picked & (sm90.CANDIDATE_LAUNCHES | sm90._MULTIPLE_OF_64)
+    assert sm90.CANDIDATE_LAUNCHES | sm90._MULTIPLE_OF_64 <= set(sm90.LAUNCHES)
 
 
 def test_a_candidate_configuration_is_refused_unless_allowed(monkeypatch):
@@ -34,24 +33,21 @@ def test_a_candidate_configuration_is_refused_unless_allowed(monkeypatch):
     be.launch = "pingpong-128x192"
     with pytest.raises(ValueError, match="'pingpong-128x192' has not passed the GPU test suite yet; set "
                                          "FUSED_LOGP_CANDIDATE_LAUNCHES=1"):
-        be._launch_name(256, 4096, 151936, False)
+        be._launch_name(256, 4096, 151936)
     monkeypatch.setenv("FUSED_LOGP_CANDIDATE_LAUNCHES", "1")
     assert sm90.SM90Backend().allow_candidates
     be.allow_candidates = True
-    assert be._launch_name(256, 4096, 151936, False) == "pingpong-128x192"
+    assert be._launch_name(256, 4096, 151936) == "pingpong-128x192"
 
 
-@pytest.mark.parametrize("d, width, logits, message", [
-    (4096, 151936, True, r"stores no logits: with return_logits use one of \['cta-128x256', 'cta-64x256', "
-                         r"'cta-64x128'\]"),
-    (4000, 151936, False, "multiples of 64, got D = 4000 and width 151936"),
-    (4096, 151935, False, "multiples of 64, got D = 4096 and width 151935"),
-])
-def test_what_the_pingpong_configuration_does_not_take_is_refused(d, width, logits, message):
+@pytest.mark.parametrize("d, width", [(4000, 151936), (4096, 151935), (4000, 1000)])
+def test_what_the_pingpong_configuration_does_not_take_is_refused(d, width):
     be = sm90.SM90Backend()
     be.allow_candidates = True
     be.launch = "pingpong-128x192"
-    with pytest.raises(ValueError, match=message):
-        be._launch_name(256, d, width, logits)
+    with pytest.raises(ValueError, match=rf"'pingpong-128x192' takes D and the vocabulary width in multiples of 64, "
+                                         rf"got D = {d} and width {width}; use 'auto' or one of \['cta-128x256', "
+                                         rf"'cta-64x256', 'cta-64x128'\]"):
+        be._launch_name(256, d, width)
     be.launch = "auto"
-    assert be._launch_name(256, d, width, logits) == "cta-128x256"
+    assert be._launch_name(256, d, width) == "cta-128x256"

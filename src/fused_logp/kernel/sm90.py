@@ -38,9 +38,8 @@ LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192")
 # never picks one.
 CANDIDATE_LAUNCHES = frozenset({"pingpong-128x192"})
 
-# What a configuration does not take, refused before its launch (the extension refuses it too): the persistent
-# ping-pong kernel stores no logits and takes D and the vocabulary (shard) width in multiples of 64.
-_NO_LOGITS = frozenset({"pingpong-128x192"})
+# Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
+# kernel); other calls naming one are refused before the launch (and by the extension).
 _MULTIPLE_OF_64 = frozenset({"pingpong-128x192"})
 
 
@@ -195,16 +194,13 @@ class SM90Backend:
             raise RuntimeError(f"sm90 backend unavailable: {why}")
         return _ext
 
-    def _launch_name(self, n_rows: int, d: int, n_real: int, return_logits: bool) -> str:
+    def _launch_name(self, n_rows: int, d: int, n_real: int) -> str:
         name = auto_launch(n_rows) if self.launch == "auto" else self.launch
         if name not in LAUNCHES:
             raise ValueError(f"launch must be 'auto' or one of {list(LAUNCHES)}, got {self.launch!r}")
         if name in CANDIDATE_LAUNCHES and not self.allow_candidates:
             raise ValueError(f"launch {name!r} has not passed the GPU test suite yet; set "
                              "FUSED_LOGP_CANDIDATE_LAUNCHES=1 to run it, or use 'auto'")
-        takes = [c for c in LAUNCHES if c not in _NO_LOGITS]
-        if return_logits and name in _NO_LOGITS:
-            raise ValueError(f"launch {name!r} stores no logits: with return_logits use one of {takes}")
         if name in _MULTIPLE_OF_64 and (d % 64 or n_real % 64):
             others = [c for c in LAUNCHES if c not in _MULTIPLE_OF_64]
             raise ValueError(f"launch {name!r} takes D and the vocabulary width in multiples of 64, got D = {d} and "
@@ -215,7 +211,7 @@ class SM90Backend:
     def _stats(self, hidden, weight, targets, temperature, bias, vocab_start, n_real, return_logits,
                target_logit):
         n = hidden.shape[0]
-        launch = self._launch_name(n, hidden.shape[1], n_real, return_logits)
+        launch = self._launch_name(n, hidden.shape[1], n_real)
         ext = self._module()
         nt = _cdiv(n_real, _TILE)
         tile_max = self._empty(n, nt, device=hidden.device)
@@ -258,7 +254,7 @@ class SM90Backend:
         to a scratch row, which is returned), ones [N] FP32 the temperatures."""
         tile_max, tile_sum, logits, scratch = self._module().logits_and_stats(
             hidden, weight, zeros, ones, bias, vocab_size,
-            self._launch_name(hidden.shape[0], hidden.shape[1], vocab_size, True), self.poison)
+            self._launch_name(hidden.shape[0], hidden.shape[1], vocab_size), self.poison)
         return HeadStats(tile_max, tile_sum, logits, scratch)
 
     def merge_ids(self, tile_max, tile_sum, logits, ids, *, vocab_size, bad_rows, mirror):

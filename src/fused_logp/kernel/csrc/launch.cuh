@@ -110,8 +110,8 @@ extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tenso
 extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 
-// Forward statistics with the persistent ping-pong kernel, 128x192 consumer tiles (sm90_pingpong_128x192.cu): no
-// logits, D a multiple of 64 (it refuses other calls, naming the configurations that take them).
+// Forward statistics with the persistent ping-pong kernel, 128x192 consumer tiles (sm90_pingpong_128x192.cu): D and
+// n_real multiples of 64 (it refuses other calls).
 void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                      cudaStream_t stream);
 

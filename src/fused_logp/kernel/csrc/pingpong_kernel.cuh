@@ -1,6 +1,6 @@
 // The persistent ping-pong forward kernel for sm_90a: the contract's logits (section 2 of CONTRACT.md: one FP32
 // wgmma accumulator, K in ascending k16 groups, no split-K) with the statistics epilogue, scheduled so that one
-// consumer warpgroup's statistics run while the other's mainloop runs.
+// consumer warpgroup's statistics (and logits stores) run while the other's mainloop runs.
 //
 // One CTA an SM (grid = min(SMs, tiles)); the CTA takes tiles blockIdx.x, + gridDim.x, ... in the grouped raster of
 // tile_coords. Its producer warpgroup (one thread) streams every tile's K blocks, in that order, through one ring of
@@ -14,10 +14,10 @@
 //
 // The statistics run one 64-column slice at a time: the accumulators of columns [64 k, 64 k + 64) of a 64-row half
 // are acc[32 k .. 32 k + 32) and have the register layout of a 64 x 64 warpgroup tile, so wg_reg_stats<64> computes
-// them with the same tree and the same bytes as every other configuration. The launch refuses what this kernel does
-// not take: logits (return_logits), D not a multiple of 64 (every stage holds 4 k16 groups) and n_real not a
-// multiple of 64 (a slice is all real or all beyond n_real: no lane-by-lane check, whose registers the 192
-// accumulators leave no room for).
+// them with the same tree and the same bytes as every other configuration; LOGITS: the consumer then stores the
+// slice's logits from the same registers (store_slice_logits). The launch refuses what this kernel does not take: D
+// not a multiple of 64 (every stage holds 4 k16 groups) and n_real not a multiple of 64 (a slice is all real or all
+// beyond n_real: no lane-by-lane check, whose registers the 192 accumulators leave no room for).
 #pragma once
 #include "fused_params.cuh"
 #include "ptx.cuh"
@@ -47,6 +47,29 @@ static_assert(128 * kPingPongProducerRegs + 128 * kConsumers * kPingPongConsumer
 // Named barriers of the ping-pong kernel: kOrderBar + c, consumer c may begin its next mainloop. (0: the block's.)
 constexpr int kOrderBar = 5;
 
+// The loop bounds, read from the parameters where they are used: locals held across the epilogue would take the
+// register that the logits stores need.
+__device__ __forceinline__ int tile_count(const FusedParams& p) { return p.num_m * p.num_n; }
+__device__ __forceinline__ int k_blocks(const FusedParams& p) { return p.d / kBK; }
+
+// The logits of a 64 x 64 slice from its accumulators, after the statistics (which added the bias in place): the
+// thread's rows row0 + 16 w + g + 8 h (g = lane / 4) that are real, columns col0 + 8 jj + 2 q + {0, 1}
+// (q = lane % 4), 8-byte streaming stores (each store instruction of a warp writes whole 32-byte sectors).
+__device__ __forceinline__ void store_slice_logits(const float (&a)[kTile / 2], const FusedParams& p, int row0,
+                                                   int col0) {
+  const int lane = threadIdx.x % 32;
+  const int row = row0 + 16 * ((threadIdx.x % 128) / 32) + lane / 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (row + 8 * h >= p.n_rows) continue;
+    float* z = p.logits + static_cast<long long>(row + 8 * h) * p.n_real + col0 + 2 * (lane % 4);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+      __stcs(reinterpret_cast<float2*>(z + 8 * jj), make_float2(a[4 * jj + 2 * h], a[4 * jj + 2 * h + 1]));
+  }
+}
+
+template <bool LOGITS>
 __global__ void __launch_bounds__(kThreads, 1)
 pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                 const FusedParams p) {
@@ -56,8 +79,6 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::STAGES * C::STAGE_BYTES);
   uint64_t* empty = full + C::STAGES;
 
-  const int tiles = p.num_m * p.num_n;
-  const int kblocks = p.d / kBK;
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -74,10 +95,10 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     setmaxnreg_dec<kPingPongProducerRegs>();
     if (threadIdx.x == 0) {
       int seq = 0;
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      for (int tile = blockIdx.x; tile < tile_count(p); tile += gridDim.x) {
         int mt, ntile;
         tile_coords(tile, p.num_m, p.num_n, mt, ntile);
-        for (int kb = 0; kb < kblocks; ++kb, ++seq) {
+        for (int kb = 0; kb < k_blocks(p); ++kb, ++seq) {
           const int s = seq % C::STAGES;
           mbar_wait(&empty[s], ((seq / C::STAGES) & 1) ^ 1);
           uint8_t* a = smem + s * C::STAGE_BYTES;
@@ -93,12 +114,12 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
   setmaxnreg_inc<kPingPongConsumerRegs>();
   const int c = wg - 1;
   const bool leader = threadIdx.x % 128 == 0;
-  // the CTA's tiles i = c, c + 2, ...: tile blockIdx.x + i gridDim.x, K blocks from seq = i kblocks of the ring's
-  // sequence
+  // the CTA's tiles i = c, c + 2, ...: tile blockIdx.x + i gridDim.x, its K blocks from seq = i k_blocks(p) of the
+  // ring's sequence
   for (int i = c;; i += 2) {
     const int tile = blockIdx.x + i * gridDim.x;
-    if (tile >= tiles) break;
-    const int seq = i * kblocks;
+    if (tile >= tile_count(p)) break;
+    const int seq = i * k_blocks(p);
     int mt, ntile;
     tile_coords(tile, p.num_m, p.num_n, mt, ntile);
     const int m0 = mt * C::BM, n0 = ntile * C::BN;
@@ -107,7 +128,7 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
 #pragma unroll
     for (int k = 0; k < C::HALF_ACC; ++k) acc0[k] = acc1[k] = 0.0f;
-    for (int kb = 0; kb < kblocks; ++kb) {
+    for (int kb = 0; kb < k_blocks(p); ++kb) {
       const int q = seq + kb, s = q % C::STAGES;
       mbar_wait(&full[s], (q / C::STAGES) & 1);
       const uint8_t* a = smem + s * C::STAGE_BYTES;
@@ -131,8 +152,9 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     wgmma_wait<0>();
     reg_fence<C::HALF_ACC>(acc0);
     reg_fence<C::HALF_ACC>(acc1);
-    if (leader) mbar_arrive(&empty[(seq + kblocks - 1) % C::STAGES]);
-    if (tile + gridDim.x < tiles) named_bar_arrive<256>(kOrderBar + (1 - c));   // the next tile's mainloop may begin
+    if (leader) mbar_arrive(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
+    // the next tile's mainloop may begin
+    if (tile + gridDim.x < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
 
     if (p.skip_epilogue) {   // timing hook: the mainloop alone
       float s0 = 0.0f, s1 = 0.0f;
@@ -153,14 +175,18 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     const bool rows1 = m0 + 64 + 16 * ((threadIdx.x % 128) / 32) < p.n_rows;
 #pragma unroll
     for (int k = 0; k < C::BN / kTile; ++k)
-      if (rows0 && n0 + kTile * k < p.n_real)
-        wg_reg_stats_body<kTile, false>(*reinterpret_cast<float(*)[kTile / 2]>(acc0 + (kTile / 2) * k), p, m0,
-                                        n0 + kTile * k);
+      if (rows0 && n0 + kTile * k < p.n_real) {
+        float(&a)[kTile / 2] = *reinterpret_cast<float(*)[kTile / 2]>(acc0 + (kTile / 2) * k);
+        wg_reg_stats_body<kTile, false>(a, p, m0, n0 + kTile * k);
+        if constexpr (LOGITS) store_slice_logits(a, p, m0, n0 + kTile * k);
+      }
 #pragma unroll
     for (int k = 0; k < C::BN / kTile; ++k)
-      if (rows1 && n0 + kTile * k < p.n_real)
-        wg_reg_stats_body<kTile, false>(*reinterpret_cast<float(*)[kTile / 2]>(acc1 + (kTile / 2) * k), p, m0 + 64,
-                                        n0 + kTile * k);
+      if (rows1 && n0 + kTile * k < p.n_real) {
+        float(&a)[kTile / 2] = *reinterpret_cast<float(*)[kTile / 2]>(acc1 + (kTile / 2) * k);
+        wg_reg_stats_body<kTile, false>(a, p, m0 + 64, n0 + kTile * k);
+        if constexpr (LOGITS) store_slice_logits(a, p, m0 + 64, n0 + kTile * k);
+      }
   }
 }
 

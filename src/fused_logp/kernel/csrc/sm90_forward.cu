@@ -197,8 +197,8 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 // The launch configurations of the fused kernel, by name (kernel/sm90.py LAUNCHES, where "auto" is resolved by row
 // count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns), in which the logits are stored by
 // its producer warpgroup (producer_logits in stats_epilogue.cuh); "pingpong-RxC", the persistent ping-pong kernel
-// with R x C consumer tiles (pingpong_kernel.cuh; no logits). None changes a bit. One table gives the names for
-// Python (launch_names), the dispatch and the refusal.
+// with R x C consumer tiles, whose consumer warps store the logits (pingpong_kernel.cuh). None changes a bit. One
+// table gives the names for Python (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 struct NamedLaunch {
   const char* name;

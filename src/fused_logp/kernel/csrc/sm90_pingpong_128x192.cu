@@ -1,4 +1,5 @@
-// The persistent ping-pong kernel with 128x192 consumer tiles (pingpong_kernel.cuh), forward statistics: its launch.
+// The persistent ping-pong kernel with 128x192 consumer tiles (pingpong_kernel.cuh), forward statistics and the
+// logits where asked for: its launch.
 #include "launch.cuh"
 #include "pingpong_kernel.cuh"
 
@@ -7,11 +8,11 @@ namespace sm90 {
 void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                      cudaStream_t stream) {
   using C = PingPongCfg;
-  TORCH_CHECK(p.logits == nullptr, "sm90: launch pingpong-128x192 stores no logits; with return_logits use "
-              "cta-128x256, cta-64x256 or cta-64x128");
   TORCH_CHECK(p.d % kBK == 0, "sm90: launch pingpong-128x192 takes D a multiple of 64, got D = ", p.d);
   TORCH_CHECK(p.n_real % kTile == 0, "sm90: launch pingpong-128x192 takes a vocabulary (shard) width that is a "
               "multiple of 64, got ", p.n_real);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(p.logits) % 8 == 0, "sm90: launch pingpong-128x192 stores the logits "
+              "as 8-byte pairs: their start must be 8-byte aligned");
   FusedParams q = p;
   q.num_m = (p.n_rows + C::BM - 1) / C::BM;
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
@@ -19,9 +20,10 @@ void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, c
   TORCH_CHECK(tiles < (1LL << 31), "sm90: grid too large");
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(pingpong_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+  auto kern = p.logits != nullptr ? pingpong_kernel<true> : pingpong_kernel<false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const unsigned grid = static_cast<unsigned>(std::min<long long>(tiles, sm_count()));
-  pingpong_kernel<<<grid, kThreads, C::SMEM, stream>>>(mh, mw, q);
+  kern<<<grid, kThreads, C::SMEM, stream>>>(mh, mw, q);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
