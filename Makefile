@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: cxx-check demo test test-slow test-gpu bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
+.PHONY: cxx-check demo test test-slow test-gpu gpu-candidate bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
 	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-sanitizers gpu-sanitizers-run gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe sass-epilogue clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
@@ -159,6 +159,19 @@ gpu-ab:
 		$(GPU_ENV) timeout 200 $(PYTHON) -P bench/ab_launches.py --n $(AB_N) --launches $(AB_LAUNCHES) \
 			--out $${OUT:-out} --tag $${run%%:*} $${run#*:} || exit $$?; \
 	done
+
+# A candidate configuration's first H200 call (CANDIDATE, kernel/sm90.py CANDIDATE_LAUNCHES): the build, a hang guard
+# on its tests (CANDIDATE_TESTS, 150 s), `make test-gpu`, then gpu-ab of the GEMM, cta-128x256, the candidate and its
+# mainloop alone. The second call: `make gpu-sanitizers` (every configuration, the candidate included).
+CANDIDATE ?= pingpong-128x192
+CANDIDATE_TESTS ?= pingpong or launch_names
+gpu-candidate:
+	@mkdir -p $${OUT:-out}
+	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
+	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -v -x -p no:cacheprovider tests/sm90/test_sm90.py -k "$(CANDIDATE_TESTS)" \
+		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; grep -o "test_[a-z_0-9]*\[[^]]*\] [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/guard.txt | tail -12; exit $$rc
+	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
+	$(MAKE) --no-print-directory gpu-ab AB_LAUNCHES=gemm,cta-128x256,$(CANDIDATE),$(CANDIDATE)+mainloop
 
 # racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 128 variants, each with or without
 # one of the kernel's features (setmaxnreg, a producer thread apart before the handoff barrier, the consumers' own
