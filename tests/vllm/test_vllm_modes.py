@@ -106,7 +106,12 @@ def model_dir():
     return shared_tiny_model()
 
 
-@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+# Every mode, processed_logprobs last: the shared engine it leaves behind is the one test_vllm_plugin.py and
+# test_vllm_transforms.py ask for next, so that it is not started a second time.
+MODES_LAST_PROCESSED_LOGPROBS = sorted(LOGPROBS_MODES, key=lambda m: m == "processed_logprobs")
+
+
+@pytest.mark.parametrize("mode", MODES_LAST_PROCESSED_LOGPROBS)
 def test_logprobs_mode_values_equal_trainer_call(model_dir, mode, tmp_path):
     llm = shared_llm(model_dir, PLUGIN_CFG, logprobs_mode=mode)
     weight = lm_head_weight(model_dir)
