@@ -100,18 +100,17 @@ def op_logp_rows(hidden: list, ids: list, temps: list, weight: torch.Tensor) -> 
     return res.logp
 
 
-def _offline(model_dir: str, cfg: str, sampling: str = "{}") -> None:
-    """Run a fixed batch in-process and print its outputs as one JSON line (the plugin-off comparison)."""
-    import json
-
+def _offline_batch(model_dir: str, extra: dict, kw: dict) -> dict:
+    """A fixed batch through one in-process engine (plugin configuration `extra`, SamplingParams keywords `kw`):
+    its outputs, the class of the model's logits processor and the plugin's status. The engine is shut down
+    before returning."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = json.loads(cfg)
     llm = LLM(model=model_dir, **ENGINE_KW, **({"additional_config": extra} if extra else {}))
     prompts = [[11, 12, 13, 14], [3, 900, 41], [7, 8]]
-    kw = json.loads(sampling)
+    kw = dict(kw)
     if "logit_bias" in kw:                 # JSON keys are strings; vLLM's are token ids
         kw["logit_bias"] = {int(k): v for k, v in kw["logit_bias"].items()}
     params = [SamplingParams(temperature=t, max_tokens=4, logprobs=2, prompt_logprobs=1, seed=7 + i, **kw)
@@ -129,7 +128,17 @@ def _offline(model_dir: str, cfg: str, sampling: str = "{}") -> None:
         result["status"] = llm.collective_rpc("fused_logp_status")
     except NotImplementedError:            # the plugin is not installed at all
         result["status"] = None
-    print(json.dumps(result))
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _offline(model_dir: str, runs: str) -> None:
+    """Run the fixed batch once per [plugin configuration, SamplingParams keywords] of the JSON list `runs`, one
+    engine after another in this process (the first one in a fresh process), and print the results as one JSON
+    line (a list, in the same order): the plugin-off comparison and the non-strict runs."""
+    import json
+
+    print(json.dumps([_offline_batch(model_dir, extra, kw) for extra, kw in json.loads(runs)]))
 
 
 def _tensor_parallel(model_dir: str, tp: str) -> None:

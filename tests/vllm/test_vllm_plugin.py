@@ -3,7 +3,8 @@
 Every logprob vLLM hands back (sampled token, top-k columns, prompt logprobs; offline and over HTTP) must equal,
 bit for bit, linear_logp recomputed by the test from the final hidden rows the plugin consumed (captured with
 `capture: true`, matched to the request by its request id), the checkpoint's lm_head and the request's scoring
-temperature. The offline engine is shared with tests/vllm/test_vllm_transforms.py (vllm_helpers.shared_llm).
+temperature. The offline engine is shared with the processed_logprobs case of tests/vllm/test_vllm_modes.py and
+with tests/vllm/test_vllm_transforms.py (vllm_helpers.shared_llm).
 """
 from __future__ import annotations
 
@@ -289,36 +290,77 @@ def test_status_without_dev_mode(llm):
 # plugin off
 # ---------------------------------------------------------------------------------------------------------
 
-def _run_script(model_dir, env_extra, cfg, sampling=None):
+NON_STRICT_CFG = {"fused_logp": {"enabled": True, "strict": False}}
+
+
+def _start_script(model_dir, env_extra, runs, log_dir):
+    """vllm_helpers.py offline in a fresh process: one engine per (plugin configuration, sampling keywords) of
+    `runs`, in order. Its output goes to files, so that two such processes can run at once."""
     env = {k: v for k, v in os.environ.items() if k != "FUSED_LOGP_VLLM"}
     env.update(env_extra)
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(tests, "vllm_helpers.py"), "offline", str(model_dir),
-                           json.dumps(cfg), json.dumps(sampling or {})], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out, err = open(log_dir / "stdout", "w+"), open(log_dir / "stderr", "w+")
+    proc = subprocess.Popen([sys.executable, os.path.join(tests, "vllm_helpers.py"), "offline", str(model_dir),
+                             json.dumps(runs)], env=env, stdout=out, stderr=err, text=True)
+    return proc, out, err
 
 
-def test_plugin_off_leaves_vllm_untouched(model_dir):
-    baseline = _run_script(model_dir, {"FUSED_LOGP_VLLM": "0"}, {})
-    installed_off = _run_script(model_dir, {}, {})
+def _stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _script_results(started, timeout):
+    proc, out, err = started
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        _stop(proc)
+    out.seek(0), err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    out.close(), err.close()
+    assert proc.returncode == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def offline_runs(model_dir, tmp_path_factory):
+    """The fixed batch of vllm_helpers.py offline through engines outside this process, each process started
+    fresh: vLLM with the kill switch (the plugin not installed) in one process; in another, the plugin installed
+    but not enabled (that process's first engine, as the kill-switch one is in its own), then the plugin enabled
+    without strict mode for each of two sets of non-contract sampling keywords (one engine each). The two
+    processes run at the same time; they share only the checkpoint, which they read."""
+    baseline = _start_script(model_dir, {"FUSED_LOGP_VLLM": "0"}, [[{}, {}]], tmp_path_factory.mktemp("off"))
+    installed = _start_script(model_dir, {}, [[{}, {}],
+                                              [NON_STRICT_CFG, {"top_k": 5, "presence_penalty": 0.5}],
+                                              [NON_STRICT_CFG, {"logit_bias": {"5": 1.0}, "min_tokens": 2}]],
+                              tmp_path_factory.mktemp("installed"))
+    try:
+        (base,) = _script_results(baseline, timeout=300)
+        installed_runs = _script_results(installed, timeout=600)
+    finally:
+        _stop(baseline[0]), _stop(installed[0])
+    return {"baseline": base, "installed_off": installed_runs[0], "non_strict": installed_runs[1:]}
+
+
+def test_plugin_off_leaves_vllm_untouched(offline_runs):
+    baseline = offline_runs["baseline"]
+    installed_off = offline_runs["installed_off"]
     assert baseline["lp_class"] == "LogitsProcessor"
     assert installed_off["lp_class"] == "FusedLogpLogitsProcessor"
     assert installed_off["status"][0]["active"] is False
     assert installed_off["outputs"] == baseline["outputs"]
 
 
-def test_non_strict_runs_outside_contract_with_provenance(model_dir):
-    run = _run_script(model_dir, {}, {"fused_logp": {"enabled": True, "strict": False}},
-                      {"top_k": 5, "presence_penalty": 0.5})
+def test_non_strict_runs_outside_contract_with_provenance(offline_runs):
+    run = offline_runs["non_strict"][0]                # top_k 5, presence_penalty 0.5
     head = run["status"][0]["heads"][0]
     assert run["status"][0]["active"] and head["strict"] is False
     assert "top-k/top-p" in head["non_contract"] and "penalties" in head["non_contract"]
     assert all(len(o["tokens"]) == 4 for o in run["outputs"])
     # logit_bias and min_tokens (vLLM's non-argmax-invariant processors) are listed too
-    run = _run_script(model_dir, {}, {"fused_logp": {"enabled": True, "strict": False}},
-                      {"logit_bias": {"5": 1.0}, "min_tokens": 2})
+    run = offline_runs["non_strict"][1]                # logit_bias {5: 1.0}, min_tokens 2
     notes = run["status"][0]["heads"][0]["non_contract"]
     assert "logit_bias" in notes and any(n.startswith("min_tokens") for n in notes), notes
 
