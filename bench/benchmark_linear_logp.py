@@ -68,9 +68,8 @@ def smoke(launches=None, shape=SMOKE_SHAPE, bias=True):
     are all real store their logits on the unchecked path). A configuration that takes D and V in multiples of 64
     only runs on D and V rounded down to them, beside "auto" on the same inputs."""
     from fused_logp.kernel import sm90
-    from fused_logp.kernel.sm90 import LAUNCHES, SM90Backend
 
-    be = SM90Backend()
+    be = sm90.SM90Backend()
     be.allow_candidates = True
     ok, why = be.available()
     if not ok:
@@ -83,7 +82,7 @@ def smoke(launches=None, shape=SMOKE_SHAPE, bias=True):
     tg = torch.randint(0, v, (n,), generator=g, device="cuda")
     t = torch.rand(n, generator=g, device="cuda") + 0.5
     ref = None
-    names = list(LAUNCHES) if launches is None else launches
+    names = list(sm90.LAUNCHES) if launches is None else launches
     for var in ("auto", *names):
         if var in sm90._MULTIPLE_OF_64 and (d % 64 or v % 64):
             d64, v64 = d - d % 64, v - v % 64

@@ -29,8 +29,9 @@ _TILE = C.VOCAB_TILE
 
 # Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by the name the
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
-# of them, chosen by row count. With return_logits, the producer warpgroup stores the logits while the consumer
-# warps compute the statistics (docs/design/sm90-kernel.md).
+# of them, chosen by row count. With return_logits, the producer warpgroup of a cta-* configuration stores the logits
+# while the consumer warps compute the statistics; in pingpong-128x192 the consumer warps store them after each
+# slice's statistics (docs/design/sm90-kernel.md).
 LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192")
 
 # Configurations that are built but have not yet passed `make test-gpu` on an H200: a call naming one is refused

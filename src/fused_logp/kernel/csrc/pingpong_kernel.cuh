@@ -12,12 +12,13 @@
 // other consumer's mainloop runs. The order also keeps every mbarrier parity wait within one phase: a consumer
 // waits on a stage's fill k only once fill k - STAGES has been consumed.
 //
-// The statistics run one 64-column slice at a time: the accumulators of columns [64 k, 64 k + 64) of a 64-row half
-// are acc[32 k .. 32 k + 32) and have the register layout of a 64 x 64 warpgroup tile, so wg_reg_stats<64> computes
-// them with the same tree and the same bytes as every other configuration; LOGITS: the consumer then stores the
-// slice's logits from the same registers (store_slice_logits). The launch refuses what this kernel does not take: D
-// not a multiple of 64 (every stage holds 4 k16 groups) and n_real not a multiple of 64 (a slice is all real or all
-// beyond n_real: no lane-by-lane check, whose registers the 192 accumulators leave no room for).
+// The statistics run one 64-column slice at a time (half_epilogue): the accumulators of columns [64 k, 64 k + 64) of
+// a 64-row half are acc[32 k .. 32 k + 32) and have the register layout of a 64 x 64 warpgroup tile, so
+// wg_reg_stats<64, false> computes them with the same tree and the same bytes as every other configuration; LOGITS:
+// the consumer then stores the slice's logits from the same registers (store_slice_logits). The launch refuses what
+// this kernel does not take: D not a multiple of 64 (every stage holds 4 k16 groups) and n_real not a multiple of 64
+// (a slice is all real or all beyond n_real: no lane-by-lane check, whose registers the 192 accumulators leave no
+// room for).
 #pragma once
 #include "fused_params.cuh"
 #include "ptx.cuh"
@@ -66,6 +67,20 @@ __device__ __forceinline__ void store_slice_logits(const float (&a)[kTile / 2], 
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
       __stcs(reinterpret_cast<float2*>(z + 8 * jj), make_float2(a[4 * jj + 2 * h], a[4 * jj + 2 * h + 1]));
+  }
+}
+
+// The statistics (and, LOGITS, the logits) of a 64-row half, rows row0 + [0, 64), columns n0 + [0, 192), a 64-column
+// slice at a time. n_real is a multiple of 64: a slice is all real or all beyond it (then skipped), never checked
+// lane by lane.
+template <bool LOGITS>
+__device__ __forceinline__ void half_epilogue(float (&acc)[PingPongCfg::HALF_ACC], const FusedParams& p, int row0,
+                                              int n0) {
+#pragma unroll
+  for (int k = 0; k < PingPongCfg::BN / kTile; ++k) {
+    float(&a)[kTile / 2] = *reinterpret_cast<float(*)[kTile / 2]>(acc + (kTile / 2) * k);
+    if (wg_reg_stats<kTile, false>(a, p, row0, n0 + kTile * k) && LOGITS)
+      store_slice_logits(a, p, row0, n0 + kTile * k);
   }
 }
 
@@ -170,23 +185,8 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
       }
       continue;
     }
-    // n_real is a multiple of 64: a slice is all real or all beyond it (then skipped), never checked lane by lane
-    const bool rows0 = m0 + 16 * ((threadIdx.x % 128) / 32) < p.n_rows;     // warp-uniform: a real row of the warp
-    const bool rows1 = m0 + 64 + 16 * ((threadIdx.x % 128) / 32) < p.n_rows;
-#pragma unroll
-    for (int k = 0; k < C::BN / kTile; ++k)
-      if (rows0 && n0 + kTile * k < p.n_real) {
-        float(&a)[kTile / 2] = *reinterpret_cast<float(*)[kTile / 2]>(acc0 + (kTile / 2) * k);
-        wg_reg_stats_body<kTile, false>(a, p, m0, n0 + kTile * k);
-        if constexpr (LOGITS) store_slice_logits(a, p, m0, n0 + kTile * k);
-      }
-#pragma unroll
-    for (int k = 0; k < C::BN / kTile; ++k)
-      if (rows1 && n0 + kTile * k < p.n_real) {
-        float(&a)[kTile / 2] = *reinterpret_cast<float(*)[kTile / 2]>(acc1 + (kTile / 2) * k);
-        wg_reg_stats_body<kTile, false>(a, p, m0 + 64, n0 + kTile * k);
-        if constexpr (LOGITS) store_slice_logits(a, p, m0 + 64, n0 + kTile * k);
-      }
+    half_epilogue<LOGITS>(acc0, p, m0, n0);
+    half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
   }
 }
 

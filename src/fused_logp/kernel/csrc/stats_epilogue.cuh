@@ -254,13 +254,17 @@ __device__ __forceinline__ void wg_reg_stats_body(float (&acc)[WGN / 2], const F
   }
 }
 
-template <int WGN>
-__device__ __forceinline__ void wg_reg_stats(float (&acc)[WGN / 2], const FusedParams& p, int row0, int col0) {
-  if (row0 + 16 * ((threadIdx.x % 128) / 32) >= p.n_rows || col0 >= p.n_real) return;   // warp-uniform: nothing real
-  if (col0 + WGN <= p.n_real)
+// -> whether the tile holds a real row of the warp and a real column (warp-uniform); nothing is computed where not.
+// RAGGED: the tile may end beyond n_real (the lane-by-lane checked body is compiled in); a caller whose tiles never
+// do (pingpong_kernel: n_real a multiple of 64, 64-column tiles) passes false and compiles the unchecked body alone.
+template <int WGN, bool RAGGED = true>
+__device__ __forceinline__ bool wg_reg_stats(float (&acc)[WGN / 2], const FusedParams& p, int row0, int col0) {
+  if (row0 + 16 * ((threadIdx.x % 128) / 32) >= p.n_rows || col0 >= p.n_real) return false;
+  if (!RAGGED || col0 + WGN <= p.n_real)
     wg_reg_stats_body<WGN, false>(acc, p, row0, col0);
-  else
+  else if constexpr (RAGGED)
     wg_reg_stats_body<WGN, true>(acc, p, row0, col0);
+  return true;
 }
 
 // The logits of a CTA's staged consumer tiles, stored by the producer warpgroup's NW warps (warp pw), which are
