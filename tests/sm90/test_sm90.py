@@ -437,8 +437,8 @@ def test_launch_names_are_the_extensions(be, cgen):
     with pytest.raises(RuntimeError, match="pingpong-128x192 takes D a multiple of 64, got D = 80"):
         ext.fused_stats(h80, w80, tg, t, None, 0, 128, out[0], out[1], out[2], None, "pingpong-128x192", False)
     out3 = [torch.empty(3, 3, device="cuda"), torch.empty(3, 3, device="cuda"), torch.empty(3, device="cuda")]
+    w130 = torch.cat([w, w[:2]]).contiguous()
     with pytest.raises(RuntimeError, match="multiple of 64, got 130"):
-        w130 = torch.cat([w, w[:2]]).contiguous()
         ext.fused_stats(h, w130, tg, t, None, 0, 130, out3[0], out3[1], out3[2], None, "pingpong-128x192", False)
 
 
