@@ -75,9 +75,10 @@ def test_statistics_use_the_contract_exp2_only():
     """Every exp of the forward statistics and the row merge is contract_ex2 of a non-positive product."""
     epi = (CSRC / "stats_epilogue.cuh").read_text()
     fwd = (CSRC / "sm90_forward.cu").read_text()
+    merge = (CSRC / "row_merge.cuh").read_text()
     assert epi.count("contract::contract_ex2(__fmul_rn(__fsub_rn(z, M[P]), c[h]))") == 1
     assert epi.count("contract_ex2(") == 1
-    assert "contract::contract_ex2(__fmul_rn(__fsub_rn(mx[base + i], m)," in fwd
+    assert "contract::contract_ex2(__fmul_rn(__fsub_rn(mx[base + i], m)," in merge
     assert fwd.count("contract::contract_ex2(__fmul_rn(__fsub_rn(z") == 2
 
 

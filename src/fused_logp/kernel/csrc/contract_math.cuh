@@ -32,9 +32,13 @@ __device__ __forceinline__ float bits(uint32_t b) { return __int_as_float(static
 // The contract's exp2 for x <= 0: the hardware instruction itself (the model is what the CPU reproduces; the SM90
 // backend checks this device against the table at first use, ex2_selftest).
 __device__ __forceinline__ float contract_ex2(float x) {
+#ifdef FUSED_LOGP_SIMT   // the device code run on the CPU (tests/sm90/simt): the instruction's exact model
+  return simt::ex2_model(x);
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 // log(x): log(1) = 0 exactly, log(0) = -inf, log(+inf) = +inf, log(x < 0) = log(NaN) = NaN.

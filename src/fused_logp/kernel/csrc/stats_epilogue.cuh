@@ -33,9 +33,13 @@ __device__ __forceinline__ void stage_acc_swz(uint32_t st_c, const float (&acc)[
 }
 
 __device__ __forceinline__ float max_nan(float a, float b) {
+#ifdef FUSED_LOGP_SIMT   // the device code run on the CPU (tests/sm90/simt): the instruction's exact model
+  return simt::max_nan(a, b);
+#else
   float d;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
   return d;
+#endif
 }
 
 // x[i] where i is a run-time index: a chain of selects (no local memory).

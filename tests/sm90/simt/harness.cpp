@@ -1,0 +1,117 @@
+// Entry points (C ABI, for ctypes) that run the SM90 kernels' device functions under the SIMT emulation of simt.h:
+// the forward statistics epilogue of every configuration from accumulators placed in the wgmma register layout,
+// and the row merge. tests/sm90/test_simt_device_code.py builds this file with g++ and checks the bytes against
+// the numpy oracle.
+#define FUSED_LOGP_SIMT 1
+#include "simt.h"
+
+#include "pingpong_kernel.cuh"
+#include "row_merge.cuh"
+#include "stats_epilogue.cuh"
+
+namespace {
+
+using sm90::FusedParams;
+
+// The accumulators of thread t (warp w = t / 128 % 4 ... of a 64-row warpgroup tile) for columns col0 + [0, n): acc[4 j
+// + 2 h + e] = z[row][col] with row = row0 + 16 w + l / 4 + 8 h, col = col0 + 8 j + 2 (l % 4) + e; +0 beyond the
+// rows and columns of z (what the zero-filled TMA tiles give the wgmma).
+void place(float* acc, int n, unsigned t, const float* z, int n_rows, int n_real, int row0, int col0) {
+  const int w = static_cast<int>(t % 128) / 32, l = static_cast<int>(t % 32);
+  for (int j = 0; j < n / 8; ++j)
+    for (int h = 0; h < 2; ++h)
+      for (int e = 0; e < 2; ++e) {
+        const int row = row0 + 16 * w + l / 4 + 8 * h, col = col0 + 8 * j + 2 * (l % 4) + e;
+        acc[4 * j + 2 * h + e] = (row < n_rows && col < n_real) ? z[static_cast<long long>(row) * n_real + col] : 0.0f;
+      }
+}
+
+FusedParams params(int n_rows, int n_real, long long vocab_start, const int64_t* targets, const float* temperature,
+                   const float* bias, float* tile_max, float* tile_sum, float* target_logit, float* logits) {
+  FusedParams p{};
+  p.n_rows = n_rows;
+  p.n_real = n_real;
+  p.nt = (n_real + sm90::kTile - 1) / sm90::kTile;
+  p.vocab_start = vocab_start;
+  p.targets = targets;
+  p.temperature = temperature;
+  p.bias = bias;
+  p.tile_max = tile_max;
+  p.tile_sum = tile_sum;
+  p.target_logit = target_logit;
+  p.logits = logits;
+  return p;
+}
+
+template <int WGN>
+void cta_tiles(const float* z, const FusedParams& p) {
+  simt::Block block(128);
+  for (int row0 = 0; row0 < p.n_rows; row0 += 64)
+    for (int col0 = 0; col0 < p.n_real; col0 += WGN)
+      block.run([&](unsigned t) {
+        float acc[WGN / 2];
+        place(acc, WGN, t, z, p.n_rows, p.n_real, row0, col0);
+        sm90::wg_reg_stats<WGN>(acc, p, row0, col0);
+      });
+}
+
+template <bool LOGITS>
+void pingpong_tiles(const float* z, const FusedParams& p) {
+  using C = sm90::PingPongCfg;
+  simt::Block block(128);
+  for (int m0 = 0; m0 < p.n_rows; m0 += C::BM)
+    for (int n0 = 0; n0 < p.n_real; n0 += C::BN)
+      block.run([&](unsigned t) {
+        float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
+        place(acc0, C::BN, t, z, p.n_rows, p.n_real, m0, n0);
+        place(acc1, C::BN, t, z, p.n_rows, p.n_real, m0 + 64, n0);
+        sm90::half_epilogue<LOGITS>(acc0, p, m0, n0);
+        sm90::half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
+      });
+}
+
+}  // namespace
+
+extern "C" {
+
+void simt_set_ex2_table(const uint32_t* table) { simt::ex2_table = table; }
+
+float simt_ex2(float x) { return simt::ex2_model(x); }
+
+// The forward statistics of z [n_rows, n_real] (fp32 GEMM logits without the bias), every tile of the launch
+// configuration `config`: 0 cta-128x256 (consumer tiles 64 x 256), 1 cta-64x256 (64 x 128), 2 cta-64x128 (64 x 64),
+// 3 pingpong-128x192 (logits is null or [n_rows, n_real]). -> 0, or -1 for an unknown configuration.
+int simt_forward_stats(int config, const float* z, int n_rows, int n_real, long long vocab_start,
+                       const int64_t* targets, const float* temperature, const float* bias, float* tile_max,
+                       float* tile_sum, float* target_logit, float* logits) {
+  const FusedParams p = params(n_rows, n_real, vocab_start, targets, temperature, bias, tile_max, tile_sum,
+                               target_logit, config == 3 ? logits : nullptr);
+  switch (config) {
+    case 0: cta_tiles<256>(z, p); return 0;
+    case 1: cta_tiles<128>(z, p); return 0;
+    case 2: cta_tiles<64>(z, p); return 0;
+    case 3:
+      if (logits != nullptr) pingpong_tiles<true>(z, p);
+      else pingpong_tiles<false>(z, p);
+      return 0;
+    default: return -1;
+  }
+}
+
+// lse [n_rows] of the statistics tile_max, tile_sum [n_rows, n_tiles] (row stride n_tiles) by block_row_lse, one
+// block a row; chunk: the terms' shared-memory length (as the launch chooses it).
+void simt_row_lse(const float* tile_max, const float* tile_sum, int n_rows, int n_tiles, int chunk, float* lse) {
+  simt::Block block(sm90::kMergeThreads);
+  std::vector<float> terms(chunk);
+  float red[sm90::kMergeThreads / 32];
+  for (int r = 0; r < n_rows; ++r) {
+    simt::block_idx.x = r;
+    const long long off = static_cast<long long>(r) * n_tiles;
+    block.run([&](unsigned t) {
+      const float l = sm90::block_row_lse(tile_max + off, tile_sum + off, n_tiles, chunk, terms.data(), red);
+      if (t == 0) lse[r] = l;
+    });
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,185 @@
+"""The SM90 kernels' device code, run on the CPU (tests/sm90/simt): the forward statistics epilogue of every launch
+configuration and the row merge, compiled from kernel/csrc with g++ under a SIMT emulation of one thread block,
+against the numpy oracle byte for byte.
+
+What this covers that no CPU test did before: the accumulator register layout of each consumer tile (which
+thread's register holds which logit), the tree levels mapped onto lanes and xor-shuffles, the warp votes (T = 1,
+rows beyond N, the target search), the non-finite tiles, the bias, ragged vocabularies, TP shards, the ping-pong
+kernel's 64-column slices and its logits stores from registers, and the merge's chunks. What it does not cover:
+the GEMM (wgmma), TMA, mbarriers, named barriers and the schedule (tests/sm90/test_pingpong_protocol.py models the
+ping-pong kernel's waits; the GPU tests run everything). The two PTX instructions without a C++ spelling are
+replaced by their exact models (simt.h): ex2.approx.ftz.f32 by the shipped table (checked here against the numpy
+contract_ex2) and max.NaN.f32."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fused_logp.shared_contract import ex2_table
+from fused_logp.shared_contract.numpy_contract import contract_ex2, row_lse, tile_stats
+
+HERE = Path(__file__).resolve().parent / "simt"
+CSRC = Path(__file__).resolve().parents[2] / "src" / "fused_logp" / "kernel" / "csrc"
+CONFIGS = {"cta-128x256": 0, "cta-64x256": 1, "cta-64x128": 2, "pingpong-128x192": 3}
+POISON = np.float32(1234.5)
+_P = ctypes.c_void_p
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ on this machine: the SIMT harness is built with it")
+    out = tmp_path_factory.mktemp("simt") / "harness.so"
+    cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-I", str(HERE),
+           "-I", str(CSRC), str(HERE / "harness.cpp"), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    h = ctypes.CDLL(str(out))
+    h.simt_forward_stats.argtypes = [ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [_P] * 7
+    h.simt_forward_stats.restype = ctypes.c_int
+    h.simt_row_lse.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P]
+    h.simt_ex2.argtypes = [ctypes.c_float]
+    h.simt_ex2.restype = ctypes.c_float
+    table = np.ascontiguousarray(ex2_table.table_bits())
+    h.simt_set_ex2_table(table.ctypes.data_as(_P))
+    h.table = table      # kept alive with the library
+    return h
+
+
+def ptr(a):
+    return None if a is None else a.ctypes.data_as(_P)
+
+
+def same_bytes(a, b) -> bool:
+    """Byte equality; NaN matches NaN whatever its payload (CONTRACT.md: NaN payloads are not part of it)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    na, nb = np.isnan(a), np.isnan(b)
+    return a.shape == b.shape and np.array_equal(na, nb) and np.array_equal(
+        np.where(na, 0, a.view(np.int32)), np.where(nb, 0, b.view(np.int32)))
+
+
+def logits(rng, n, v):
+    z = (rng.standard_normal((n, v)) * 4).astype(np.float32)
+    z[rng.integers(0, n, 3), rng.integers(0, v, 3)] = rng.choice([np.inf, -np.inf, np.nan], 3)
+    z[n // 2, : min(v, 64)] = -np.inf            # a tile all -inf
+    z[-1, rng.integers(0, v)] = 88.0              # a large logit
+    return z
+
+
+def run_stats(lib, config, z, temperature, targets, *, vocab_start=0, bias=None, want_logits=False):
+    n, v = z.shape
+    nt = -(-v // 64)
+    tmax = np.full((n, nt), POISON, np.float32)
+    tsum = tmax.copy()
+    tlogit = np.full(n, POISON, np.float32)
+    out = np.full((n, v), POISON, np.float32) if want_logits else None
+    rc = lib.simt_forward_stats(CONFIGS[config], ptr(z), n, v, vocab_start, ptr(targets), ptr(temperature),
+                                ptr(bias), ptr(tmax), ptr(tsum), ptr(tlogit), ptr(out))
+    assert rc == 0
+    return tmax, tsum, tlogit, out
+
+
+def expected_stats(z, temperature, targets, vocab_start=0, bias=None):
+    zb = z if bias is None else (z + bias[None, :]).astype(np.float32)
+    tmax, tsum, zs = tile_stats(zb, temperature, z.shape[1])
+    local = targets - vocab_start
+    owned = (local >= 0) & (local < z.shape[1])
+    tl = np.where(owned, zs[np.arange(z.shape[0]), np.clip(local, 0, z.shape[1] - 1)], POISON).astype(np.float32)
+    return tmax, tsum, tl, zb
+
+
+def temperatures(rng, n, kind):
+    if kind == "one":
+        return np.ones(n, np.float32)
+    t = rng.uniform(0.25, 1.6, n).astype(np.float32)
+    t[::5] = 1.0                                  # some rows at T = 1 inside warps that are not all at 1
+    return t
+
+
+# (rows, vocabulary width): rows beyond a warp's first eight (70), one row, a ragged vocabulary (653, 300), a
+# width of whole 64-column tiles that is not whole 192- or 256-column tiles (704, 320)
+SHAPES = [(70, 704), (1, 320), (130, 653), (17, 300), (64, 128)]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("n,v", SHAPES)
+@pytest.mark.parametrize("tkind", ["one", "mixed"])
+def test_forward_statistics_equal_the_oracle(lib, config, n, v, tkind):
+    if config.startswith("pingpong") and v % 64:
+        pytest.skip("pingpong-128x192 takes vocabulary widths that are multiples of 64 (the backend refuses others)")
+    rng = np.random.default_rng([n, v, len(config), len(tkind)])
+    z = logits(rng, n, v)
+    temp = temperatures(rng, n, tkind)
+    targets = rng.integers(0, v, n).astype(np.int64)
+    targets[0] = v - 1                            # the last real column
+    if n > 2:
+        targets[1] = 63                           # a tile's last lane
+    got = run_stats(lib, config, z, temp, targets)
+    want = expected_stats(z, temp, targets)
+    for name, g, w in zip(("tile_max", "tile_sum", "target_logit"), got, want):
+        assert same_bytes(g, w), f"{config} {name} differs at N={n}, V={v}, T {tkind}"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_tp_shard_with_bias(lib, config):
+    """A shard starting at vocabulary id 1280 (a tile boundary), targets inside and outside it, a bias."""
+    rng = np.random.default_rng(len(config))
+    n, v, start = 40, 576, 1280
+    z = logits(rng, n, v)
+    temp = temperatures(rng, n, "mixed")
+    bias = rng.standard_normal(v).astype(np.float32)
+    targets = rng.integers(0, 4096, n).astype(np.int64)
+    targets[:10] = start + rng.integers(0, v, 10)
+    got = run_stats(lib, config, z, temp, targets, vocab_start=start, bias=bias)
+    want = expected_stats(z, temp, targets, vocab_start=start, bias=bias)
+    for name, g, w in zip(("tile_max", "tile_sum", "target_logit"), got, want):
+        assert same_bytes(g, w), f"{config} {name}"
+
+
+@pytest.mark.parametrize("n,v,bias", [(70, 704, False), (200, 384, True), (1, 192, True)])
+def test_pingpong_logits_from_registers(lib, n, v, bias):
+    """pingpong-128x192 stores the logits (plus the bias) from its accumulator registers, slice by slice: every
+    element once, exactly the logits; the statistics of the same call unchanged."""
+    rng = np.random.default_rng([n, v])
+    z = logits(rng, n, v)
+    temp = temperatures(rng, n, "mixed")
+    b = rng.standard_normal(v).astype(np.float32) if bias else None
+    targets = rng.integers(0, v, n).astype(np.int64)
+    tmax, tsum, tl, out = run_stats(lib, "pingpong-128x192", z, temp, targets, bias=b, want_logits=True)
+    etmax, etsum, etl, zb = expected_stats(z, temp, targets, bias=b)
+    assert same_bytes(out, zb)
+    assert same_bytes(tmax, etmax) and same_bytes(tsum, etsum) and same_bytes(tl, etl)
+
+
+@pytest.mark.parametrize("n,v,chunk", [(4, 151936, 12000), (3, 151936, 1000), (5, 700, 11), (2, 64, 1),
+                                       (3, 4096 * 64 + 64, 12000)])
+def test_row_merge_equals_the_oracle(lib, n, v, chunk):
+    """block_row_lse (merge_kernel, merge_ids_kernel): the terms in chunks of shared memory, one chain in ascending
+    tile order; rows longer than a chunk (the last case: 4097 tiles in chunks of 12000 is one; 151936 columns in
+    chunks of 1000 is three)."""
+    rng = np.random.default_rng([n, v, chunk])
+    z = (rng.standard_normal((n, v)) * 3).astype(np.float32)
+    z[1, 9] = np.nan
+    tmax, tsum, _ = tile_stats(z, np.full(n, 0.7, np.float32), v)
+    lse = np.full(n, POISON, np.float32)
+    nt = tmax.shape[1]
+    lib.simt_row_lse(ptr(tmax), ptr(tsum), n, nt, min(chunk, nt), ptr(lse))
+    assert same_bytes(lse, row_lse(tmax, tsum))
+
+
+def test_ex2_model_equals_the_contract_exp2(lib):
+    """simt.h's model of ex2.approx.ftz.f32 (what the emulated device code calls) equals the numpy contract_ex2 on
+    special values, the edges of the scale and the flush, and 200,000 random arguments <= 0."""
+    rng = np.random.default_rng(5)
+    special = np.array([0.0, -0.0, -1e-45, -2.0 ** -23, -1.0, -1.5, -126.0, -126.5, -149.0, -149.99, -150.0,
+                        -159.99, -160.0, -1e30, -np.inf, np.nan, 1e-8], np.float32)
+    x = np.concatenate([special, -rng.exponential(20.0, 200_000).astype(np.float32),
+                        -rng.uniform(0, 1, 1000).astype(np.float32)])
+    got = np.array([lib.simt_ex2(float(a)) for a in x], np.float32)
+    assert same_bytes(got, contract_ex2(x))
