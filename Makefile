@@ -162,7 +162,8 @@ gpu-ab:
 
 # A candidate configuration's first H200 call (CANDIDATE, kernel/sm90.py CANDIDATE_LAUNCHES): the build, a hang guard
 # on its tests (CANDIDATE_TESTS, 150 s), `make test-gpu`, then gpu-ab of the GEMM, cta-128x256, the candidate and its
-# mainloop alone. The second call: `make gpu-sanitizers` (every configuration, the candidate included).
+# mainloop alone, and each kernel's device time per call (bench/kernel_split.py: the fused kernel and the row merge).
+# The second call: `make gpu-sanitizers` (every configuration, the candidate included).
 CANDIDATE ?= pingpong-128x192
 CANDIDATE_TESTS ?= pingpong or launch_names
 gpu-candidate:
@@ -172,6 +173,7 @@ gpu-candidate:
 		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; grep -o "test_[a-z_0-9]*\[[^]]*\] [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/guard.txt | tail -12; exit $$rc
 	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
 	$(MAKE) --no-print-directory gpu-ab AB_LAUNCHES=gemm,cta-128x256,$(CANDIDATE),$(CANDIDATE)+mainloop
+	$(GPU_ENV) timeout 120 $(PYTHON) -P bench/kernel_split.py --n 1,256,2048,8192 --out $${OUT:-out}
 
 # racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 128 variants, each with or without
 # one of the kernel's features (setmaxnreg, a producer thread apart before the handoff barrier, the consumers' own

@@ -43,7 +43,8 @@ def lib(tmp_path_factory):
     h = ctypes.CDLL(str(out))
     h.simt_forward_stats.argtypes = [ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [_P] * 7
     h.simt_forward_stats.restype = ctypes.c_int
-    h.simt_row_lse.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P]
+    h.simt_row_lse.argtypes = [ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, _P]
+    h.simt_row_lse.restype = ctypes.c_int
     h.simt_ex2.argtypes = [ctypes.c_float]
     h.simt_ex2.restype = ctypes.c_float
     table = np.ascontiguousarray(ex2_table.table_bits())
@@ -157,19 +158,18 @@ def test_pingpong_logits_from_registers(lib, n, v, bias):
     assert same_bytes(tmax, etmax) and same_bytes(tsum, etsum) and same_bytes(tl, etl)
 
 
-@pytest.mark.parametrize("n,v,chunk", [(4, 151936, 12000), (3, 151936, 1000), (5, 700, 11), (2, 64, 1),
-                                       (3, 4096 * 64 + 64, 12000)])
-def test_row_merge_equals_the_oracle(lib, n, v, chunk):
-    """block_row_lse (merge_kernel, merge_ids_kernel): the terms in chunks of shared memory, one chain in ascending
-    tile order; rows longer than a chunk (the last case: 4097 tiles in chunks of 12000 is one; 151936 columns in
-    chunks of 1000 is three)."""
-    rng = np.random.default_rng([n, v, chunk])
+@pytest.mark.parametrize("threads", [64, 256])
+@pytest.mark.parametrize("n,v", [(4, 151936), (5, 700), (2, 64), (3, 64 * 896 + 64), (3, 64 * 256 * 3)])
+def test_row_merge_equals_the_oracle(lib, threads, n, v):
+    """block_row_lse (merge_kernel with either block size, merge_ids_kernel): the max, then the terms by chunks into
+    two shared buffers while thread 0 chains the chunk before; rows of one tile, of less than a chunk, of a chunk and
+    one tile more (256 threads: 897 tiles), of exactly three chunks (64 threads: 768 tiles) and of Qwen's 2374."""
+    rng = np.random.default_rng([n, v, threads])
     z = (rng.standard_normal((n, v)) * 3).astype(np.float32)
     z[1, 9] = np.nan
     tmax, tsum, _ = tile_stats(z, np.full(n, 0.7, np.float32), v)
     lse = np.full(n, POISON, np.float32)
-    nt = tmax.shape[1]
-    lib.simt_row_lse(ptr(tmax), ptr(tsum), n, nt, min(chunk, nt), ptr(lse))
+    assert lib.simt_row_lse(threads, ptr(tmax), ptr(tsum), n, tmax.shape[1], ptr(lse)) == 0
     assert same_bytes(lse, row_lse(tmax, tsum))
 
 
