@@ -440,6 +440,9 @@ def test_launch_names_are_the_extensions(be, cgen):
     w130 = torch.cat([w, w[:2]]).contiguous()
     with pytest.raises(RuntimeError, match="multiple of 64, got 130"):
         ext.fused_stats(h, w130, tg, t, None, 0, 130, out3[0], out3[1], out3[2], None, "pingpong-128x192", False)
+    # a message with numbers in it raises (they are formatted by num(), launch.cuh), for an output of the wrong shape
+    with pytest.raises(RuntimeError, match=r"tile_max must be a contiguous CUDA float32 \[3, 2\] tensor"):
+        ext.fused_stats(h, w, tg, t, None, 0, 128, out3[0], out[1], out[2], None, "cta-128x256", False)
 
 
 @pytest.mark.parametrize("n,d,v,pad", [(1, 4096, 151936, 64), (7, 256, 4000 + 33, 30), (300, 512, 9000, 0)])

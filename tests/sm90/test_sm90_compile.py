@@ -192,3 +192,52 @@ def test_full_k_mainloop_has_no_injected_wgmma_waits(ptxas_reports):
                 assert "pingpong_kernel" not in line, f"{src}: {line}"
                 first_bool = re.search(r"Lb([01])E", line)
                 assert first_bool is None or first_bool.group(1) == "0", f"{src}: {line}"
+
+
+def _top_level_args(text: str, start: int) -> tuple[list[str], int]:
+    """The comma-separated arguments of the call whose '(' is at text[start], and the index after its ')'."""
+    depth, args, cur, i, quote = 0, [], [], start, False
+    while True:
+        ch = text[i]
+        if quote:
+            cur.append(ch)
+            if ch == "\\":
+                cur.append(text[i + 1])
+                i += 1
+            elif ch == '"':
+                quote = False
+        elif ch == '"':
+            quote = True
+            cur.append(ch)
+        elif ch in "([{":
+            depth += 1
+            if depth > 1:
+                cur.append(ch)
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                args.append("".join(cur).strip())
+                return args, i + 1
+            cur.append(ch)
+        elif ch == "," and depth == 1:
+            args.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+        i += 1
+
+
+def test_error_messages_format_numbers_with_num():
+    """Every TORCH_CHECK message of the extension is string literals, strings, and numbers through num()
+    (launch.cuh): on the H200 machine a message that streamed an int through std::ostream crashed the process."""
+    strings = {"who", "cols_name", "name", "names", "launch"}
+    bad = []
+    for f in sorted(CSRC.glob("*.cu*")):
+        text = f.read_text()
+        for m in re.finditer(r"\bTORCH_CHECK\(", text):
+            args, _ = _top_level_args(text, m.end() - 1)
+            for a in args[1:]:
+                literal = re.fullmatch(r'("(?:[^"\\]|\\.)*"\s*)+', a)
+                if not (literal or a.startswith("num(") or a in strings):
+                    bad.append(f"{f.name}: {a}")
+    assert not bad, bad

@@ -13,6 +13,11 @@
 
 namespace sm90 {
 
+// A number in an error message. The extension formats numbers with std::to_string, never through std::ostream: on
+// the H200 machine's runtime a TORCH_CHECK that streamed an int crashed the process (a segfault in ostream's
+// integer insertion inside the extension) instead of raising.
+inline std::string num(long long v) { return std::to_string(v); }
+
 inline PFN_cuTensorMapEncodeTiled_v12000 get_encode_fn() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
   if (fn == nullptr) {
@@ -35,7 +40,7 @@ inline CUtensorMap make_map(const torch::Tensor& t, int box_rows) {
   CUresult r = get_encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box, estr,
                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "sm90: cuTensorMapEncodeTiled failed with code ", static_cast<int>(r));
+  TORCH_CHECK(r == CUDA_SUCCESS, "sm90: cuTensorMapEncodeTiled failed with code ", num(static_cast<int>(r)));
   return map;
 }
 
@@ -53,8 +58,8 @@ inline FusedParams entry_params(const char* who, const char* cols_name, const to
               who, ": hidden [N, D] and weight [R, D] must be contiguous CUDA bfloat16");
   const long long n = hidden.size(0), d = hidden.size(1);
   TORCH_CHECK(d % contract::K_GROUP == 0 && d > 0, who, ": D must be a positive multiple of 16");
-  TORCH_CHECK(n_real >= 1 && n_real <= weight.size(0), who, ": ", cols_name, " must be in [1, ", weight.size(0),
-              "], got ", n_real);
+  TORCH_CHECK(n_real >= 1 && n_real <= weight.size(0), who, ": ", cols_name, " must be in [1, ", num(weight.size(0)),
+              "], got ", num(n_real));
   TORCH_CHECK(n < (1LL << 31) && n_real < (1LL << 31), who, ": sizes too large");
   TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kInt64 && targets.is_contiguous() &&
                   targets.numel() == n, who, ": targets must be contiguous CUDA int64 [N]");

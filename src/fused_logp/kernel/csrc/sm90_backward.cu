@@ -34,7 +34,7 @@ void launch_dz(const torch::Tensor& hidden, const torch::Tensor& weight, const t
 
 void check_vec(const torch::Tensor& t, const char* name, long long n) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n,
-              "sm90 backward: ", name, " must be a contiguous CUDA float32 [", n, "] tensor");
+              "sm90 backward: ", name, " must be a contiguous CUDA float32 [", num(n), "] tensor");
 }
 }  // namespace
 

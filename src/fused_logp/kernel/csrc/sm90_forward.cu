@@ -144,7 +144,7 @@ logits_stats_kernel(const float* __restrict__ logits, long long ld, const int64_
 static void check_f32_2d(const torch::Tensor& t, const char* name, long long rows, long long cols) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 2 &&
                   t.size(0) == rows && t.size(1) == cols,
-              "sm90: ", name, " must be a contiguous CUDA float32 [", rows, ", ", cols, "] tensor");
+              "sm90: ", name, " must be a contiguous CUDA float32 [", num(rows), ", ", num(cols), "] tensor");
 }
 
 // A float32 output on like's device; filled with the int32 pattern `poison` where given (tests: an output the

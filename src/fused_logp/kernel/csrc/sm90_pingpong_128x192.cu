@@ -8,9 +8,9 @@ namespace sm90 {
 void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                      cudaStream_t stream) {
   using C = PingPongCfg;
-  TORCH_CHECK(p.d % kBK == 0, "sm90: launch pingpong-128x192 takes D a multiple of 64, got D = ", p.d);
+  TORCH_CHECK(p.d % kBK == 0, "sm90: launch pingpong-128x192 takes D a multiple of 64, got D = ", num(p.d));
   TORCH_CHECK(p.n_real % kTile == 0, "sm90: launch pingpong-128x192 takes a vocabulary (shard) width that is a "
-              "multiple of 64, got ", p.n_real);
+              "multiple of 64, got ", num(p.n_real));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(p.logits) % 8 == 0, "sm90: launch pingpong-128x192 stores the logits "
               "as 8-byte pairs: their start must be 8-byte aligned");
   FusedParams q = p;
