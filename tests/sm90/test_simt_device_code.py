@@ -43,7 +43,8 @@ def lib(tmp_path_factory):
     h = ctypes.CDLL(str(out))
     h.simt_forward_stats.argtypes = [ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [_P] * 7
     h.simt_forward_stats.restype = ctypes.c_int
-    h.simt_row_lse.argtypes = [_P, _P, ctypes.c_int, ctypes.c_int, _P]
+    h.simt_row_lse.argtypes = [ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, _P]
+    h.simt_row_lse.restype = ctypes.c_int
     h.simt_ex2.argtypes = [ctypes.c_float]
     h.simt_ex2.restype = ctypes.c_float
     table = np.ascontiguousarray(ex2_table.table_bits())
@@ -157,18 +158,18 @@ def test_pingpong_logits_from_registers(lib, n, v, bias):
     assert same_bytes(tmax, etmax) and same_bytes(tsum, etsum) and same_bytes(tl, etl)
 
 
-@pytest.mark.parametrize("n,v", [(4, 151936), (5, 700), (2, 64), (3, 64 * 2560 + 64), (2, 64 * 5120 - 30)])
-def test_row_merge_equals_the_oracle(lib, n, v):
-    """block_row_lse (merge_kernel, merge_ids_kernel): the statistics held in registers, the max, the terms in shared
-    memory, thread 0's chain; rows of one tile, of fewer tiles than threads, of Qwen's 2374, and longer than one
-    block of 2560 tiles (2561: a second block of one tile; 5120, the last tile ragged: two whole blocks)."""
-    rng = np.random.default_rng([n, v])
+@pytest.mark.parametrize("threads", [64, 256])
+@pytest.mark.parametrize("n,v", [(4, 151936), (5, 700), (2, 64), (3, 64 * 896 + 64), (3, 64 * 256 * 3)])
+def test_row_merge_equals_the_oracle(lib, threads, n, v):
+    """block_row_lse (merge_kernel with either block size, merge_ids_kernel): the max, then the terms by chunks into
+    two shared buffers while thread 0 chains the chunk before; rows of one tile, of less than a chunk, of a chunk and
+    one tile more (256 threads: 897 tiles), of exactly three chunks (64 threads: 768 tiles) and of Qwen's 2374."""
+    rng = np.random.default_rng([n, v, threads])
     z = (rng.standard_normal((n, v)) * 3).astype(np.float32)
     z[1, 9] = np.nan
-    z[-1, -1] = np.inf                            # the last row: a non-finite last tile (beyond the first block)
     tmax, tsum, _ = tile_stats(z, np.full(n, 0.7, np.float32), v)
     lse = np.full(n, POISON, np.float32)
-    lib.simt_row_lse(ptr(tmax), ptr(tsum), n, tmax.shape[1], ptr(lse))
+    assert lib.simt_row_lse(threads, ptr(tmax), ptr(tsum), n, tmax.shape[1], ptr(lse)) == 0
     assert same_bytes(lse, row_lse(tmax, tsum))
 
 

@@ -36,8 +36,8 @@ LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192")
 
 # Configurations that are built but have not yet passed `make test-gpu` on an H200: a call naming one is refused
 # unless FUSED_LOGP_CANDIDATE_LAUNCHES=1 (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto"
-# never picks one.
-CANDIDATE_LAUNCHES = frozenset({"pingpong-128x192"})
+# never picks one. None at present.
+CANDIDATE_LAUNCHES: frozenset = frozenset()
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
 # kernel); other calls naming one are refused before the launch (and by the extension).
@@ -48,12 +48,21 @@ _MULTIPLE_OF_64 = frozenset({"pingpong-128x192"})
 # counts), level at 448, behind at 576.
 SMALL_ODD_MAX = 320
 
+# H200 A/B (docs/design/sm90-kernel.md, "The persistent ping-pong kernel"): pingpong-128x192 ahead of both CTA
+# configurations at every row count measured from 128 to 4096 (level with cta-64x256 at 320), with and without the
+# logits; behind cta-64x256 at 1, 16 and 64 rows and behind cta-128x256 at 8192. 65-127 rows (one 128-row tile, as
+# at 128) and 4097-8191 are not measured.
+PINGPONG_ROWS = (65, 4096)
 
-def auto_launch(n_rows: int) -> str:
-    """The configuration "auto" runs for a call of n_rows rows (figures in docs/design/sm90-kernel.md, "Small N"):
-    64x256 CTAs where the 128-row tiles would leave half of their last tile empty and the batch is small (n_rows <= 64,
-    and an odd number of 64-row tiles up to SMALL_ODD_MAX rows), 128x256 CTAs otherwise. Every configuration computes
-    the same bytes; this picks only the speed."""
+
+def auto_launch(n_rows: int, d: int, width: int) -> str:
+    """The configuration "auto" runs for a call of n_rows rows, D = d and a vocabulary (shard) width `width`
+    (figures in docs/design/sm90-kernel.md): the persistent ping-pong kernel for PINGPONG_ROWS rows where D and the
+    width are multiples of 64; otherwise 64x256 CTAs where the 128-row tiles would leave half of their last tile
+    empty and the batch is small (n_rows <= 64, and an odd number of 64-row tiles up to SMALL_ODD_MAX rows), 128x256
+    CTAs else. Every configuration computes the same bytes; this picks only the speed."""
+    if PINGPONG_ROWS[0] <= n_rows <= PINGPONG_ROWS[1] and d % 64 == 0 and width % 64 == 0:
+        return "pingpong-128x192"
     tiles64 = -(-n_rows // 64)
     return "cta-64x256" if n_rows <= 64 or (n_rows <= SMALL_ODD_MAX and tiles64 % 2 == 1) else "cta-128x256"
 
@@ -196,7 +205,7 @@ class SM90Backend:
         return _ext
 
     def _launch_name(self, n_rows: int, d: int, n_real: int) -> str:
-        name = auto_launch(n_rows) if self.launch == "auto" else self.launch
+        name = auto_launch(n_rows, d, n_real) if self.launch == "auto" else self.launch
         if name not in LAUNCHES:
             raise ValueError(f"launch must be 'auto' or one of {list(LAUNCHES)}, got {self.launch!r}")
         if name in CANDIDATE_LAUNCHES and not self.allow_candidates:

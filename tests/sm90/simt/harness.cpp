@@ -70,18 +70,19 @@ void pingpong_tiles(const float* z, const FusedParams& p) {
       });
 }
 
-void row_lse(const float* tile_max, const float* tile_sum, int n_rows, int n_tiles, float* lse) {
-  simt::Block block(sm90::kMergeThreads);
-  std::vector<float> terms(sm90::kMergeDirect);
-  float red[sm90::kMergeThreads / 32];
+template <int THREADS>
+int row_lse(const float* tile_max, const float* tile_sum, int n_rows, int n_tiles, float* lse) {
+  simt::Block block(THREADS);
+  float buf[sm90::RowMerge<THREADS>::kBufFloats], red[THREADS / 32];
   for (int r = 0; r < n_rows; ++r) {
     simt::block_idx.x = r;
     const long long off = static_cast<long long>(r) * n_tiles;
     block.run([&](unsigned t) {
-      const float l = sm90::block_row_lse(tile_max + off, tile_sum + off, n_tiles, terms.data(), red);
+      const float l = sm90::block_row_lse<THREADS>(tile_max + off, tile_sum + off, n_tiles, buf, red);
       if (t == 0) lse[r] = l;
     });
   }
+  return 0;
 }
 
 }  // namespace
@@ -113,9 +114,11 @@ int simt_forward_stats(int config, const float* z, int n_rows, int n_real, long 
 }
 
 // lse [n_rows] of the statistics tile_max, tile_sum [n_rows, n_tiles] (row stride n_tiles) by block_row_lse, one
-// block a row.
-void simt_row_lse(const float* tile_max, const float* tile_sum, int n_rows, int n_tiles, float* lse) {
-  row_lse(tile_max, tile_sum, n_rows, n_tiles, lse);
+// block of `threads` (64 or 256) a row. -> 0, or -1 for another block size.
+int simt_row_lse(int threads, const float* tile_max, const float* tile_sum, int n_rows, int n_tiles, float* lse) {
+  if (threads == 64) return row_lse<64>(tile_max, tile_sum, n_rows, n_tiles, lse);
+  if (threads == 256) return row_lse<256>(tile_max, tile_sum, n_rows, n_tiles, lse);
+  return -1;
 }
 
 }  // extern "C"

@@ -29,15 +29,21 @@
 
 namespace sm90 {
 namespace {
-// 8 blocks an SM (32 registers a thread): as many rows' chains at once as the threads allow
-__global__ void __launch_bounds__(kMergeThreads, 8)
+// The row merge (row_merge.cuh), one block of THREADS threads a row: 256 where the rows are few (each row's
+// latency is the call's), 64 where an SM holds many rows (more rows merged at once); the same bytes.
+constexpr int kMergeThreads = 256, kMergeThreadsMany = 64;
+
+inline int merge_threads(long long n_rows) { return n_rows > 8LL * sm_count() ? kMergeThreadsMany : kMergeThreads; }
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS)
 merge_kernel(const float* __restrict__ tile_max, const float* __restrict__ tile_sum,
              const float* __restrict__ target_logit, float* __restrict__ logp, float* __restrict__ lse,
              int n_tiles, long long ld) {
-  __shared__ float terms[kMergeDirect];
-  __shared__ float red[kMergeThreads / 32];
+  __shared__ float buf[RowMerge<THREADS>::kBufFloats];
+  __shared__ float red[THREADS / 32];
   const long long row = blockIdx.x;
-  const float l = block_row_lse(tile_max + row * ld, tile_sum + row * ld, n_tiles, terms, red);
+  const float l = block_row_lse<THREADS>(tile_max + row * ld, tile_sum + row * ld, n_tiles, buf, red);
   if (threadIdx.x == 0) {
     lse[row] = l;
     logp[row] = contract::clamp_nonpos(__fsub_rn(target_logit[row], l));
@@ -55,7 +61,7 @@ merge_ids_kernel(const float* __restrict__ tile_max, const float* __restrict__ t
                  const float* __restrict__ logits, long long ld_z, const Id* __restrict__ ids, long long ld_ids,
                  int cols, long long vocab_size, float* __restrict__ logp, float* __restrict__ lse,
                  int64_t* __restrict__ bad_rows, int64_t* __restrict__ mirror) {
-  __shared__ float terms[kMergeDirect];
+  __shared__ float buf[RowMerge<kMergeThreads>::kBufFloats];
   __shared__ float red[kMergeThreads / 32];
   __shared__ float row_lse;
   const long long row = blockIdx.x;
@@ -65,7 +71,7 @@ merge_ids_kernel(const float* __restrict__ tile_max, const float* __restrict__ t
     bad |= (id < 0 || id >= vocab_size);
   }
   bad = __syncthreads_or(bad);
-  const float l = block_row_lse(tile_max + row * ld, tile_sum + row * ld, n_tiles, terms, red);
+  const float l = block_row_lse<kMergeThreads>(tile_max + row * ld, tile_sum + row * ld, n_tiles, buf, red);
   const float qnan = __int_as_float(0x7FC00000);
   if (threadIdx.x == 0) {
     row_lse = l;
@@ -252,7 +258,8 @@ void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor t
   const c10::cuda::CUDAGuard guard(tile_max.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TORCH_CHECK(n < (1LL << 31) && t < (1LL << 31), "sm90: too many rows or tiles to merge");
-  merge_kernel<<<static_cast<unsigned>(n), kMergeThreads, 0, stream>>>(
+  auto merge = merge_threads(n) == kMergeThreadsMany ? merge_kernel<kMergeThreadsMany> : merge_kernel<kMergeThreads>;
+  merge<<<static_cast<unsigned>(n), merge_threads(n), 0, stream>>>(
       tile_max.data_ptr<float>(), tile_sum.data_ptr<float>(), target_logit.data_ptr<float>(),
       logp.data_ptr<float>(), lse.data_ptr<float>(), static_cast<int>(t), t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
