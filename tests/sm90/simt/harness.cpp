@@ -13,9 +13,9 @@ namespace {
 
 using sm90::FusedParams;
 
-// The accumulators of thread t (warp w = t / 128 % 4 ... of a 64-row warpgroup tile) for columns col0 + [0, n): acc[4 j
-// + 2 h + e] = z[row][col] with row = row0 + 16 w + l / 4 + 8 h, col = col0 + 8 j + 2 (l % 4) + e; +0 beyond the
-// rows and columns of z (what the zero-filled TMA tiles give the wgmma).
+// The accumulators of thread t of a warpgroup (warp w = (t % 128) / 32, lane l = t % 32) for a 64-row tile's columns
+// col0 + [0, n): acc[4 j + 2 h + e] = z[row][col] with row = row0 + 16 w + l / 4 + 8 h and
+// col = col0 + 8 j + 2 (l % 4) + e; +0 beyond the rows and columns of z (what the zero-filled TMA tiles give the wgmma).
 void place(float* acc, int n, unsigned t, const float* z, int n_rows, int n_real, int row0, int col0) {
   const int w = static_cast<int>(t % 128) / 32, l = static_cast<int>(t % 32);
   for (int j = 0; j < n / 8; ++j)
