@@ -45,6 +45,7 @@ def lib(tmp_path_factory):
     h.simt_forward_stats.restype = ctypes.c_int
     h.simt_row_lse.argtypes = [ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, _P]
     h.simt_row_lse.restype = ctypes.c_int
+    h.simt_logits_stats.argtypes = [_P, ctypes.c_longlong, _P, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P]
     h.simt_ex2.argtypes = [ctypes.c_float]
     h.simt_ex2.restype = ctypes.c_float
     table = np.ascontiguousarray(ex2_table.table_bits())
@@ -171,6 +172,25 @@ def test_row_merge_equals_the_oracle(lib, threads, n, v):
     lse = np.full(n, POISON, np.float32)
     assert lib.simt_row_lse(threads, ptr(tmax), ptr(tsum), n, tmax.shape[1], ptr(lse)) == 0
     assert same_bytes(lse, row_lse(tmax, tsum))
+
+
+@pytest.mark.parametrize("n,v,pad", [(9, 700, 12), (3, 64, 0), (5, 151936, 64), (33, 1000, 0)])
+def test_statistics_from_logits_equal_the_oracle(lib, n, v, pad):
+    """warp_logits_tile_stats (logits_stats_kernel: vLLM's gathered TP rows): the statistics and the target's scaled
+    logit of FP32 logits rows with a row stride beyond the vocabulary (pad), a ragged last tile, non-finite lanes."""
+    rng = np.random.default_rng([n, v, pad])
+    z = logits(rng, n, v + pad)
+    temp = temperatures(rng, n, "mixed")
+    targets = rng.integers(0, v, n).astype(np.int64)
+    targets[0] = v - 1
+    nt = -(-v // 64)
+    tmax = np.full((n, nt), POISON, np.float32)
+    tsum = tmax.copy()
+    tl = np.full(n, POISON, np.float32)
+    lib.simt_logits_stats(ptr(z), v + pad, ptr(targets), ptr(temp), n, v, ptr(tmax), ptr(tsum), ptr(tl))
+    want = expected_stats(np.ascontiguousarray(z[:, :v]), temp, targets)
+    for name, g, w in zip(("tile_max", "tile_sum", "target_logit"), (tmax, tsum, tl), want):
+        assert same_bytes(g, w), name
 
 
 def test_ex2_model_equals_the_contract_exp2(lib):

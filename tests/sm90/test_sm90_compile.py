@@ -72,14 +72,15 @@ def test_no_fast_math_or_libm_in_kernel_sources():
 
 
 def test_statistics_use_the_contract_exp2_only():
-    """Every exp of the forward statistics and the row merge is contract_ex2 of a non-positive product."""
+    """Every exp of the forward statistics, the statistics from logits and the row merge is contract_ex2 of a
+    non-positive product."""
     epi = (CSRC / "stats_epilogue.cuh").read_text()
-    fwd = (CSRC / "sm90_forward.cu").read_text()
+    from_logits = (CSRC / "logits_stats.cuh").read_text()
     merge = (CSRC / "row_merge.cuh").read_text()
     assert epi.count("contract::contract_ex2(__fmul_rn(__fsub_rn(z, M[P]), c[h]))") == 1
     assert epi.count("contract_ex2(") == 1
     assert merge.count("contract::contract_ex2(__fmul_rn(__fsub_rn(a[j], m), log2e))") == 1
-    assert fwd.count("contract::contract_ex2(__fmul_rn(__fsub_rn(z") == 2
+    assert from_logits.count("contract::contract_ex2(__fmul_rn(__fsub_rn(z") == 2
 
 
 def test_named_barriers_of_two_paths_are_the_non_aligned_form():

@@ -5,6 +5,7 @@
 #define FUSED_LOGP_SIMT 1
 #include "simt.h"
 
+#include "logits_stats.cuh"
 #include "pingpong_kernel.cuh"
 #include "row_merge.cuh"
 #include "stats_epilogue.cuh"
@@ -88,6 +89,18 @@ int row_lse(const float* tile_max, const float* tile_sum, int n_rows, int n_tile
 }  // namespace
 
 extern "C" {
+
+// Statistics from FP32 logits [n_rows, ld] (warp_logits_tile_stats), one warp per (row, tile) item.
+void simt_logits_stats(const float* logits, long long ld, const int64_t* targets, const float* temperature,
+                       int n_rows, int vocab_size, float* tile_max, float* tile_sum, float* target_logit) {
+  const int nt = (vocab_size + sm90::kTile - 1) / sm90::kTile;
+  simt::Block warp(32);
+  for (long long item = 0; item < static_cast<long long>(n_rows) * nt; ++item)
+    warp.run([&](unsigned) {
+      sm90::warp_logits_tile_stats(logits, ld, targets, temperature, n_rows, vocab_size, nt, tile_max, tile_sum,
+                                   target_logit, item);
+    });
+}
 
 void simt_set_ex2_table(const uint32_t* table) { simt::ex2_table = table; }
 

@@ -55,6 +55,7 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+using std::isfinite;
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
@@ -223,8 +224,6 @@ class Block {
 // blockIdx, gridDim and blockDim: set by the harness for the block it runs.
 inline Dim block_idx, grid_dim, block_dim;
 
-inline uint32_t bits_of(float v) { return static_cast<uint32_t>(__float_as_int(v)); }
-
 }  // namespace simt
 
 // threadIdx.x reads the running fiber's index.
@@ -238,17 +237,20 @@ inline SimtThreadIdx threadIdx;
 #define gridDim (simt::grid_dim)
 #define blockDim (simt::block_dim)
 
-inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
-  const uint32_t* all = simt::Block::current().exchange(simt::bits_of(v));
-  return __int_as_float(static_cast<int>(all[(threadIdx.x % 32) ^ lane_mask]));
+// Shuffles of any 4-byte value (float, int, unsigned), bit for bit.
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  static_assert(sizeof(T) == 4, "4-byte shuffles");
+  uint32_t mine;
+  std::memcpy(&mine, &v, 4);
+  const uint32_t* all = simt::Block::current().exchange(mine);
+  T r;
+  std::memcpy(&r, &all[src % 32], 4);
+  return r;
 }
-inline unsigned __shfl_xor_sync(unsigned, unsigned v, int lane_mask) {
-  const uint32_t* all = simt::Block::current().exchange(v);
-  return all[(threadIdx.x % 32) ^ lane_mask];
-}
-inline float __shfl_sync(unsigned, float v, int src) {
-  const uint32_t* all = simt::Block::current().exchange(simt::bits_of(v));
-  return __int_as_float(static_cast<int>(all[src % 32]));
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+  return __shfl_sync(mask, v, static_cast<int>((threadIdx.x % 32) ^ lane_mask));
 }
 inline unsigned __ballot_sync(unsigned, int pred) {
   const uint32_t* all = simt::Block::current().exchange(pred != 0);
