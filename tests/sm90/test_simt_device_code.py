@@ -144,6 +144,24 @@ def test_tp_shard_with_bias(lib, config):
         assert same_bytes(g, w), f"{config} {name}"
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_layout_error_is_caught(lib, config):
+    """The negative control: accumulators placed with each thread's two rows exchanged give other statistics, so the
+    comparisons above can fail."""
+    rng = np.random.default_rng(7)
+    n, v = 70, 704
+    z = logits(rng, n, v)
+    temp = temperatures(rng, n, "mixed")
+    targets = rng.integers(0, v, n).astype(np.int64)
+    lib.simt_set_mislaid(1)
+    try:
+        got = run_stats(lib, config, z, temp, targets)
+    finally:
+        lib.simt_set_mislaid(0)
+    want = expected_stats(z, temp, targets)
+    assert not same_bytes(got[0], want[0]) and not same_bytes(got[2], want[2])
+
+
 @pytest.mark.parametrize("n,v,bias", [(70, 704, False), (200, 384, True), (1, 192, True)])
 def test_pingpong_logits_from_registers(lib, n, v, bias):
     """pingpong-128x192 stores the logits (plus the bias) from its accumulator registers, slice by slice: every

@@ -17,13 +17,17 @@ using sm90::FusedParams;
 // The accumulators of thread t of a warpgroup (warp w = (t % 128) / 32, lane l = t % 32) for a 64-row tile's columns
 // col0 + [0, n): acc[4 j + 2 h + e] = z[row][col] with row = row0 + 16 w + l / 4 + 8 h and
 // col = col0 + 8 j + 2 (l % 4) + e; +0 beyond the rows and columns of z (what the zero-filled TMA tiles give the wgmma).
+// mislaid (a negative control for the tests): the two rows of a thread exchanged, h -> 1 - h.
+int g_mislaid = 0;
+
 void place(float* acc, int n, unsigned t, const float* z, int n_rows, int n_real, int row0, int col0) {
   const int w = static_cast<int>(t % 128) / 32, l = static_cast<int>(t % 32);
   for (int j = 0; j < n / 8; ++j)
     for (int h = 0; h < 2; ++h)
       for (int e = 0; e < 2; ++e) {
         const int row = row0 + 16 * w + l / 4 + 8 * h, col = col0 + 8 * j + 2 * (l % 4) + e;
-        acc[4 * j + 2 * h + e] = (row < n_rows && col < n_real) ? z[static_cast<long long>(row) * n_real + col] : 0.0f;
+        acc[4 * j + 2 * (g_mislaid ? 1 - h : h) + e] =
+            (row < n_rows && col < n_real) ? z[static_cast<long long>(row) * n_real + col] : 0.0f;
       }
 }
 
@@ -103,6 +107,9 @@ void simt_logits_stats(const float* logits, long long ld, const int64_t* targets
 }
 
 void simt_set_ex2_table(const uint32_t* table) { simt::ex2_table = table; }
+
+// 1: place the accumulators with each thread's two rows exchanged (a layout error), 0: as the wgmma does.
+void simt_set_mislaid(int on) { g_mislaid = on; }
 
 float simt_ex2(float x) { return simt::ex2_model(x); }
 
