@@ -164,9 +164,10 @@ gpu-ab:
 # on its tests (CANDIDATE_TESTS, 150 s), `make test-gpu`, then gpu-ab of the GEMM, cta-128x256, the candidate and its
 # mainloop alone, and each kernel's device time per call (bench/kernel_split.py: the fused kernel and the row merge).
 # The second call: `make gpu-sanitizers` (every configuration, the candidate included).
-CANDIDATE ?= pingpong-128x192
-CANDIDATE_TESTS ?= pingpong or launch_names
+CANDIDATE ?=
+CANDIDATE_TESTS ?= launch_names
 gpu-candidate:
+	@test -n "$(CANDIDATE)" || { echo "make gpu-candidate: name the configuration: CANDIDATE=<name> (kernel/sm90.py LAUNCHES; its tests: CANDIDATE_TESTS, a pytest -k expression)"; exit 2; }
 	@mkdir -p $${OUT:-out}
 	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
 	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -v -x -p no:cacheprovider tests/sm90/test_sm90.py -k "$(CANDIDATE_TESTS)" \
