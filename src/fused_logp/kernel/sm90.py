@@ -44,6 +44,11 @@ CANDIDATE_LAUNCHES: frozenset = frozenset()
 _MULTIPLE_OF_64 = frozenset({"pingpong-128x192"})
 
 
+def _takes_shape(name: str, d: int, width: int) -> bool:
+    """Whether configuration `name` takes D = d and a vocabulary (shard) width `width`."""
+    return name not in _MULTIPLE_OF_64 or (d % 64 == 0 and width % 64 == 0)
+
+
 # H200 A/B (docs/design/sm90-kernel.md, "Small N"): 64x256 ahead at 160, 192 and 320 rows (odd 64-row tile
 # counts), level at 448, behind at 576.
 SMALL_ODD_MAX = 320
@@ -61,7 +66,7 @@ def auto_launch(n_rows: int, d: int, width: int) -> str:
     width are multiples of 64; otherwise 64x256 CTAs where the 128-row tiles would leave half of their last tile
     empty and the batch is small (n_rows <= 64, and an odd number of 64-row tiles up to SMALL_ODD_MAX rows), 128x256
     CTAs else. Every configuration computes the same bytes; this picks only the speed."""
-    if PINGPONG_ROWS[0] <= n_rows <= PINGPONG_ROWS[1] and d % 64 == 0 and width % 64 == 0:
+    if PINGPONG_ROWS[0] <= n_rows <= PINGPONG_ROWS[1] and _takes_shape("pingpong-128x192", d, width):
         return "pingpong-128x192"
     tiles64 = -(-n_rows // 64)
     return "cta-64x256" if n_rows <= 64 or (n_rows <= SMALL_ODD_MAX and tiles64 % 2 == 1) else "cta-128x256"
@@ -211,7 +216,7 @@ class SM90Backend:
         if name in CANDIDATE_LAUNCHES and not self.allow_candidates:
             raise ValueError(f"launch {name!r} has not passed the GPU test suite yet; set "
                              "FUSED_LOGP_CANDIDATE_LAUNCHES=1 to run it, or use 'auto'")
-        if name in _MULTIPLE_OF_64 and (d % 64 or n_real % 64):
+        if not _takes_shape(name, d, n_real):
             others = [c for c in LAUNCHES if c not in _MULTIPLE_OF_64]
             raise ValueError(f"launch {name!r} takes D and the vocabulary width in multiples of 64, got D = {d} and "
                              f"width {n_real}; use 'auto' or one of {others}")

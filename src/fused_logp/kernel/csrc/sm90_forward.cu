@@ -228,8 +228,9 @@ void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor t
   const c10::cuda::CUDAGuard guard(tile_max.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TORCH_CHECK(n < (1LL << 31) && t < (1LL << 31), "sm90: too many rows or tiles to merge");
-  auto merge = merge_threads(n) == kMergeThreadsMany ? merge_kernel<kMergeThreadsMany> : merge_kernel<kMergeThreads>;
-  merge<<<static_cast<unsigned>(n), merge_threads(n), 0, stream>>>(
+  const int threads = merge_threads(n);
+  auto merge = threads == kMergeThreadsMany ? merge_kernel<kMergeThreadsMany> : merge_kernel<kMergeThreads>;
+  merge<<<static_cast<unsigned>(n), threads, 0, stream>>>(
       tile_max.data_ptr<float>(), tile_sum.data_ptr<float>(), target_logit.data_ptr<float>(),
       logp.data_ptr<float>(), lse.data_ptr<float>(), static_cast<int>(t), t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
