@@ -48,7 +48,6 @@ def lib(tmp_path_factory):
     h.simt_row_lse.argtypes = [ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, _P]
     h.simt_row_lse.restype = ctypes.c_int
     h.simt_logits_stats.argtypes = [_P, ctypes.c_longlong, _P, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P]
-    h.simt_cta_tiles.argtypes = [ctypes.c_int] * 4 + [_P]
     h.simt_ex2.argtypes = [ctypes.c_float]
     h.simt_ex2.restype = ctypes.c_float
     table = np.ascontiguousarray(ex2_table.table_bits())
@@ -175,39 +174,6 @@ def test_pingpong_logits_from_registers(lib, n, v, bias):
     etmax, etsum, etl, zb = expected_stats(z, temp, targets, bias=b)
     assert same_bytes(out, zb)
     assert same_bytes(tmax, etmax) and same_bytes(tsum, etsum) and same_bytes(tl, etl)
-
-
-def tile_m(tile, num_m, num_n, group_m=16):
-    """The m tile of `tile` in tile_coords' grouped raster (fused_params.cuh, kGroupM = 16)."""
-    group, r = divmod(tile, group_m * num_n)
-    return group * group_m + r % min(num_m - group * group_m, group_m)
-
-
-@pytest.mark.parametrize("num_m,num_n,grid", [(m, 792, 132) for m in range(1, 17)] +
-                         [(17, 792, 132), (40, 792, 132), (2, 3, 132), (5, 7, 4), (3, 50, 7), (2, 66, 132)])
-def test_pingpong_schedule_takes_every_tile_once_and_spreads_the_last_m_tile(lib, num_m, num_n, grid):
-    """cta_tile (pingpong_kernel.cuh): every tile exactly once; each CTA as many tiles as tile b + i G gives (the
-    ring's sequence and the order barriers count on that), in rounds of the same consecutive tiles; and on 132 SMs
-    with V = 151936 (792 tiles of 192 columns) the part-empty last m tile (half the work) is spread over the CTAs: no
-    CTA's work exceeds the mean by more than one whole tile."""
-    tiles = num_m * num_n
-    g = min(grid, tiles)
-    rounds = -(-tiles // g)
-    out = np.full(g * rounds, -7, np.int32)
-    lib.simt_cta_tiles(num_m, num_n, g, rounds, ptr(out))
-    out = out.reshape(g, rounds)
-    for b in range(g):
-        n = len(range(b, tiles, g))
-        assert (out[b, :n] >= 0).all() and (out[b, n:] == -1).all(), b
-    assert sorted(out[out >= 0].tolist()) == list(range(tiles))
-    for i in range(rounds):
-        col = out[:, i]
-        assert sorted(col[col >= 0].tolist()) == list(range(i * g, min(tiles, (i + 1) * g)))
-    if grid == 132 and num_n == 792:
-        cost = lambda t: 1 if tile_m(t, num_m, num_n) == num_m - 1 else 2     # noqa: E731
-        work = [sum(cost(t) for t in row if t >= 0) for row in out]
-        total = sum(cost(t) for t in range(tiles))
-        assert max(work) <= total / g + 2, (max(work), total / g)
 
 
 @pytest.mark.parametrize("threads", [64, 256])

@@ -71,7 +71,7 @@ void pingpong_tiles(const float* z, const FusedParams& p) {
         place(acc0, C::BN, t, z, p.n_rows, p.n_real, m0, n0);
         place(acc1, C::BN, t, z, p.n_rows, p.n_real, m0 + 64, n0);
         sm90::half_epilogue<LOGITS>(acc0, p, m0, n0);
-        if (m0 + 64 < p.n_rows) sm90::half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);   // as the kernel
+        sm90::half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
       });
 }
 
@@ -139,19 +139,6 @@ int simt_row_lse(int threads, const float* tile_max, const float* tile_sum, int 
   if (threads == 64) return row_lse<64>(tile_max, tile_sum, n_rows, n_tiles, lse);
   if (threads == 256) return row_lse<256>(tile_max, tile_sum, n_rows, n_tiles, lse);
   return -1;
-}
-
-// The ping-pong kernel's tile schedule (cta_tile) on a grid of `grid` CTAs over num_m x num_n tiles:
-// out[b * rounds + i] = CTA b's i-th tile, or -1 past its last.
-void simt_cta_tiles(int num_m, int num_n, int grid, int rounds, int* out) {
-  FusedParams p{};
-  p.num_m = num_m;
-  p.num_n = num_n;
-  simt::grid_dim.x = grid;
-  for (int b = 0; b < grid; ++b) {
-    simt::block_idx.x = b;
-    for (int i = 0; i < rounds; ++i) out[static_cast<long long>(b) * rounds + i] = sm90::cta_tile(p, i);
-  }
 }
 
 }  // extern "C"

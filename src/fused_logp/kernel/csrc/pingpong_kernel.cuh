@@ -2,12 +2,11 @@
 // wgmma accumulator, K in ascending k16 groups, no split-K) with the statistics epilogue, scheduled so that one
 // consumer warpgroup's statistics (and logits stores) run while the other's mainloop runs.
 //
-// One CTA an SM (grid = min(SMs, tiles)); the CTA takes one tile of each round of gridDim.x consecutive tiles in the
-// grouped raster of tile_coords (cta_tile). Its producer warpgroup (one thread) streams every tile's K blocks, in
-// that order, through one ring of STAGES shared-memory stages. Consumer warpgroup c owns the CTA's tiles i with
-// i % 2 == c, each a whole 128 x 192 tile: two m64n192k16 halves (rows [0, 64) and [64, 128)) that share the stage's
-// B; a tile whose rows [64, 128) are all beyond n_rows issues the first half alone (tile_mainloop<1>). The two
-// consumers' mainloops run in tile order, one at a time (named barriers kOrderBar + c: consumer c waits at its own before each
+// One CTA an SM (grid = min(SMs, tiles)); the CTA takes tiles blockIdx.x, + gridDim.x, ... in the grouped raster of
+// tile_coords. Its producer warpgroup (one thread) streams every tile's K blocks, in that order, through one ring of
+// STAGES shared-memory stages. Consumer warpgroup c owns the CTA's tiles i with i % 2 == c, each a whole
+// 128 x 192 tile: two m64n192k16 halves (rows [0, 64) and [64, 128)) that share the stage's B. The two consumers'
+// mainloops run in tile order, one at a time (named barriers kOrderBar + c: consumer c waits at its own before each
 // mainloop but its first, and signals the other's after each mainloop that has a successor tile, so that every signal
 // has exactly one wait); after its mainloop a consumer computes its tile's statistics from its registers while the
 // other consumer's mainloop runs. The order also keeps every mbarrier parity wait within one phase: a consumer
@@ -54,22 +53,6 @@ constexpr int kOrderBar = 5;
 __device__ __forceinline__ int tile_count(const FusedParams& p) { return p.num_m * p.num_n; }
 __device__ __forceinline__ int k_blocks(const FusedParams& p) { return p.d / kBK; }
 
-// The CTA's i-th tile, or -1 past its last: a tile of round i, [i G, i G + G) with G = gridDim.x, which the CTAs
-// share rotated back by i places (tile i G + (blockIdx.x - i) mod G); the last round, when partial, unrotated. The
-// CTAs' counts of tiles are those of tile blockIdx.x + i G (the ring's sequence and the order barriers count on it).
-// Without the rotation a CTA's tiles would lie in one m tile whenever G is a multiple of the m-tile count (132 SMs:
-// 2, 3, 4, 6, ... m tiles), so that the CTAs that take the last, part-empty m tile (tile_mainloop<1>, half the work)
-// would idle while the others take only whole tiles; with it, a CTA's m tile steps by G - 1 a round (131 on 132 SMs,
-// a prime: through every m tile of a group). A round's tiles are the same set either way (their weight tiles are read
-// together, as before), and the CTA that computes a tile changes no byte.
-__device__ __forceinline__ int cta_tile(const FusedParams& p, int i) {
-  const int g = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
-  const int base = i * g, left = tile_count(p) - base;
-  if (left <= 0) return -1;
-  if (left < g) return b < left ? base + b : -1;
-  return base + (b + g - i % g) % g;
-}
-
 // The logits of a 64 x 64 slice from its accumulators, after the statistics (which added the bias in place): the
 // thread's rows row0 + 16 w + g + 8 h (g = lane / 4) that are real, columns col0 + 8 jj + 2 q + {0, 1}
 // (q = lane % 4), 8-byte streaming stores (each store instruction of a warp writes whole 32-byte sectors).
@@ -101,44 +84,6 @@ __device__ __forceinline__ void half_epilogue(float (&acc)[PingPongCfg::HALF_ACC
   }
 }
 
-// A consumer's mainloop over one tile's K blocks (ring positions seq, seq + 1, ...): HALVES = 2, both 64-row
-// halves; HALVES = 1, the first alone (the tile's rows [64, 128) are all beyond n_rows: half the tensor-core work, the
-// same stages and the same bytes in acc0; acc1 holds zeros). A stage is released once the next one's batch is in
-// flight, the last once its batch is done.
-template <int HALVES>
-__device__ __forceinline__ void tile_mainloop(float (&acc0)[PingPongCfg::HALF_ACC],
-                                              float (&acc1)[PingPongCfg::HALF_ACC], uint8_t* smem, uint64_t* full,
-                                              uint64_t* empty, const FusedParams& p, int seq, bool leader) {
-  using C = PingPongCfg;
-#pragma unroll
-  for (int k = 0; k < C::HALF_ACC; ++k) acc0[k] = acc1[k] = 0.0f;
-  for (int kb = 0; kb < k_blocks(p); ++kb) {
-    const int q = seq + kb, s = q % C::STAGES;
-    mbar_wait(&full[s], (q / C::STAGES) & 1);
-    const uint8_t* a = smem + s * C::STAGE_BYTES;
-    const uint64_t da0 = smem_desc(a), da1 = smem_desc(a + 64 * (kBK * 2)), db = smem_desc(a + C::A_BYTES);
-    reg_fence<C::HALF_ACC>(acc0);
-    if (HALVES == 2) reg_fence<C::HALF_ACC>(acc1);
-    wgmma_fence();
-    // ascending k16 groups; +32 bytes along the swizzled 128-byte row is +2 in descriptor units
-#pragma unroll
-    for (int g = 0; g < kGroupsPerStage; ++g) {
-      wgmma_m64n192k16(acc0, da0 + 2 * g, db + 2 * g);
-      if (HALVES == 2) wgmma_m64n192k16(acc1, da1 + 2 * g, db + 2 * g);
-    }
-    wgmma_commit();
-    // keep this stage's batch in flight; the previous one is done: release its stage
-    wgmma_wait<1>();
-    reg_fence<C::HALF_ACC>(acc0);
-    if (HALVES == 2) reg_fence<C::HALF_ACC>(acc1);
-    if (kb > 0 && leader) mbar_arrive(&empty[(q - 1) % C::STAGES]);
-  }
-  wgmma_wait<0>();
-  reg_fence<C::HALF_ACC>(acc0);
-  if (HALVES == 2) reg_fence<C::HALF_ACC>(acc1);
-  if (leader) mbar_arrive(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
-}
-
 template <bool LOGITS>
 __global__ void __launch_bounds__(kThreads, 1)
 pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
@@ -165,9 +110,7 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     setmaxnreg_dec<kPingPongProducerRegs>();
     if (threadIdx.x == 0) {
       int seq = 0;
-      for (int i = 0;; ++i) {
-        const int tile = cta_tile(p, i);
-        if (tile < 0) break;
+      for (int tile = blockIdx.x; tile < tile_count(p); tile += gridDim.x) {
         int mt, ntile;
         tile_coords(tile, p.num_m, p.num_n, mt, ntile);
         for (int kb = 0; kb < k_blocks(p); ++kb, ++seq) {
@@ -186,11 +129,11 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
   setmaxnreg_inc<kPingPongConsumerRegs>();
   const int c = wg - 1;
   const bool leader = threadIdx.x % 128 == 0;
-  // the CTA's tiles i = c, c + 2, ...: tile cta_tile(p, i), its K blocks from seq = i k_blocks(p) of the
+  // the CTA's tiles i = c, c + 2, ...: tile blockIdx.x + i gridDim.x, its K blocks from seq = i k_blocks(p) of the
   // ring's sequence
   for (int i = c;; i += 2) {
-    const int tile = cta_tile(p, i);
-    if (tile < 0) break;
+    const int tile = blockIdx.x + i * gridDim.x;
+    if (tile >= tile_count(p)) break;
     const int seq = i * k_blocks(p);
     int mt, ntile;
     tile_coords(tile, p.num_m, p.num_n, mt, ntile);
@@ -198,14 +141,35 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     if (i > 0) named_bar_sync<256>(kOrderBar + c);       // the other consumer's mainloop of tile i - 1 is done
 
     float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
-    // a tile whose rows [64, 128) are all beyond n_rows issues the first half's wgmma alone: the branch is taken
-    // once a tile, around the whole pipeline, so each pipeline is straight-line
-    if (m0 + 64 < p.n_rows)
-      tile_mainloop<2>(acc0, acc1, smem, full, empty, p, seq, leader);
-    else
-      tile_mainloop<1>(acc0, acc1, smem, full, empty, p, seq, leader);
+#pragma unroll
+    for (int k = 0; k < C::HALF_ACC; ++k) acc0[k] = acc1[k] = 0.0f;
+    for (int kb = 0; kb < k_blocks(p); ++kb) {
+      const int q = seq + kb, s = q % C::STAGES;
+      mbar_wait(&full[s], (q / C::STAGES) & 1);
+      const uint8_t* a = smem + s * C::STAGE_BYTES;
+      const uint64_t da0 = smem_desc(a), da1 = smem_desc(a + 64 * (kBK * 2)), db = smem_desc(a + C::A_BYTES);
+      reg_fence<C::HALF_ACC>(acc0);
+      reg_fence<C::HALF_ACC>(acc1);
+      wgmma_fence();
+      // ascending k16 groups; +32 bytes along the swizzled 128-byte row is +2 in descriptor units
+#pragma unroll
+      for (int g = 0; g < kGroupsPerStage; ++g) {
+        wgmma_m64n192k16(acc0, da0 + 2 * g, db + 2 * g);
+        wgmma_m64n192k16(acc1, da1 + 2 * g, db + 2 * g);
+      }
+      wgmma_commit();
+      // keep this stage's batch in flight; the previous one is done: release its stage
+      wgmma_wait<1>();
+      reg_fence<C::HALF_ACC>(acc0);
+      reg_fence<C::HALF_ACC>(acc1);
+      if (kb > 0 && leader) mbar_arrive(&empty[(q - 1) % C::STAGES]);
+    }
+    wgmma_wait<0>();
+    reg_fence<C::HALF_ACC>(acc0);
+    reg_fence<C::HALF_ACC>(acc1);
+    if (leader) mbar_arrive(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
     // the next tile's mainloop may begin
-    if (cta_tile(p, i + 1) >= 0) named_bar_arrive<256>(kOrderBar + (1 - c));
+    if (tile + gridDim.x < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
 
     if (p.skip_epilogue) {   // timing hook: the mainloop alone
       float s0 = 0.0f, s1 = 0.0f;
@@ -222,7 +186,7 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
       continue;
     }
     half_epilogue<LOGITS>(acc0, p, m0, n0);
-    if (m0 + 64 < p.n_rows) half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
+    half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
   }
 }
 
