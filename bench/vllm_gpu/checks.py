@@ -111,6 +111,11 @@ def _compare_rows(outs, captured, weight) -> dict:
     return {"values": n_vals, "mismatches": n_bad, "neg_inf_columns": n_neginf, "first_mismatch": first_bad}
 
 
+# requests run together by `check` (and then each alone): above 64, so that the decode batches take the ping-pong
+# kernel (sm90.auto_launch) as well as the 64-row one
+CONCURRENT = 96
+
+
 def run_check(model_dir, runner: str, mode: str) -> dict:
     import torch
     from vllm import SamplingParams
@@ -149,17 +154,17 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     res["modes"] = _compare(outs, llm.collective_rpc("fused_logp_captured")[0], weight)
 
-    # 64 concurrent requests, then each alone
+    # CONCURRENT concurrent requests (decode batches above 64 rows: `auto` takes the ping-pong kernel), then each alone
     cprompts = [TokensPrompt(prompt_token_ids=torch.randint(0, VOCAB, (4 + i % 9,), generator=g).tolist())
-                for i in range(64)]
+                for i in range(CONCURRENT)]
     cparams = [SamplingParams(max_tokens=16, logprobs=2, temperature=[1.0, 0.7, 0.0, 1.3][i % 4], seed=500 + i,
-                              ignore_eos=True) for i in range(64)]
+                              ignore_eos=True) for i in range(CONCURRENT)]
     conc = llm.generate(cprompts, cparams, use_tqdm=False)
     cap_conc = llm.collective_rpc("fused_logp_captured")[0]
-    res["concurrent64"] = _compare(conc, cap_conc, weight)
+    res[f"concurrent{CONCURRENT}"] = _compare(conc, cap_conc, weight)
     alone_cmp = {"values": 0, "mismatches": 0}
     same_tokens = same_logprobs = 0
-    for i in range(64):
+    for i in range(CONCURRENT):
         o = llm.generate([cprompts[i]], [cparams[i]], use_tqdm=False)[0]
         c = _compare([o], llm.collective_rpc("fused_logp_captured")[0], weight)
         alone_cmp["values"] += c["values"]
@@ -167,7 +172,7 @@ def run_check(model_dir, runner: str, mode: str) -> dict:
         same_tokens += list(o.outputs[0].token_ids) == list(conc[i].outputs[0].token_ids)
         same_logprobs += [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
             [d[t].logprob for d, t in zip(conc[i].outputs[0].logprobs, conc[i].outputs[0].token_ids)]
-    res["alone64"] = dict(alone_cmp, requests_same_tokens_as_concurrent=same_tokens,
+    res[f"alone{CONCURRENT}"] = dict(alone_cmp, requests_same_tokens_as_concurrent=same_tokens,
                           requests_same_logprobs_as_concurrent=same_logprobs)
 
     # reload_weights with a new lm_head moves the fingerprint; the new bytes score the next rollout

@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from .checks import run_check, run_logprobs_mode, run_modes, run_mpstart
+from .checks import CONCURRENT, run_check, run_logprobs_mode, run_modes, run_mpstart
 from .common import DRY, HIDDEN, LAYERS, VOCAB, _child, _run_header, _wait, _write, make_model, make_small_model
 from .speed import (_pool_kinds, _pool_speed, _speed_part, run_score, run_speed, run_speed_ab, run_speed_paired,
                     serve_speed)
@@ -117,8 +117,8 @@ def main():
         print(json.dumps({k: v for k, v in r.items() if not k.startswith("check")}, default=str)[:4000])
         for k in sorted(r):
             if k.startswith("check") and isinstance(r[k], dict):
-                print(k, {x: r[k].get(x) for x in ("modes", "concurrent64", "alone64", "reload", "fingerprint_equal",
-                                                   "error", "start_s")})
+                print(k, {x: r[k].get(x) for x in ("modes", f"concurrent{CONCURRENT}", f"alone{CONCURRENT}", "reload",
+                                                   "fingerprint_equal", "error", "start_s")})
         return
     if a.what == "model":
         make_model(Path(a.model_dir))
