@@ -7,7 +7,10 @@ from fused_logp.kernel import sm90
 
 @pytest.mark.parametrize("n_rows, launch", [
     (1, "cta-64x256"), (64, "cta-64x256"),            # one 64-row tile holds the batch
-    (65, "pingpong-128x192"), (128, "pingpong-128x192"), (192, "pingpong-128x192"), (2048, "pingpong-128x192"),
+    (65, "pingpong-128x192"), (128, "pingpong-128x192"),
+    (129, "cta-64x256"), (160, "cta-64x256"), (192, "cta-64x256"),     # three 64-row tiles: the 128-row grid's last
+    (257, "cta-64x256"), (320, "cta-64x256"),                          # tile would be half empty (five: likewise)
+    (193, "pingpong-128x192"), (256, "pingpong-128x192"), (321, "pingpong-128x192"), (2048, "pingpong-128x192"),
     (4096, "pingpong-128x192"),
     (4097, "cta-128x256"), (8192, "cta-128x256"), (16384, "cta-128x256"),
 ])

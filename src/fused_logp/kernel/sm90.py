@@ -49,27 +49,30 @@ def _takes_shape(name: str, d: int, width: int) -> bool:
     return name not in _MULTIPLE_OF_64 or (d % 64 == 0 and width % 64 == 0)
 
 
-# H200 A/B (docs/design/sm90-kernel.md, "Small N"): 64x256 ahead at 160, 192 and 320 rows (odd 64-row tile
-# counts), level at 448, behind at 576.
+# H200 A/B (docs/design/sm90-kernel.md, "Small N" and "The persistent ping-pong kernel"): 64x256 ahead of both
+# 128-row configurations at odd 64-row tile counts up to 320 rows (of the ping-pong kernel by 9-11% at 129-136 rows,
+# level with it at 160, 192 and 320), level with 128x256 at 448, behind at 576.
 SMALL_ODD_MAX = 320
 
 # H200 A/B (docs/design/sm90-kernel.md, "The persistent ping-pong kernel"): pingpong-128x192 ahead of both CTA
-# configurations at every row count measured from 128 to 4096 (level with cta-64x256 at 320), with and without the
-# logits; behind cta-64x256 at 1, 16 and 64 rows and behind cta-128x256 at 8192. 65-127 rows (one 128-row tile, as
-# at 128) and 4097-8191 are not measured.
+# configurations at 128, 256, 512, 1024, 2048 and 4096 rows, with and without the logits; behind cta-64x256 at 1, 16
+# and 64 rows and at 129-136 (SMALL_ODD_MAX), behind cta-128x256 at 8192. 65-127 rows (one 128-row tile, as at 128)
+# and 4097-8191 are not measured.
 PINGPONG_ROWS = (65, 4096)
 
 
 def auto_launch(n_rows: int, d: int, width: int) -> str:
     """The configuration "auto" runs for a call of n_rows rows, D = d and a vocabulary (shard) width `width`
-    (figures in docs/design/sm90-kernel.md): the persistent ping-pong kernel for PINGPONG_ROWS rows where D and the
-    width are multiples of 64; otherwise 64x256 CTAs where the 128-row tiles would leave half of their last tile
-    empty and the batch is small (n_rows <= 64, and an odd number of 64-row tiles up to SMALL_ODD_MAX rows), 128x256
-    CTAs else. Every configuration computes the same bytes; this picks only the speed."""
+    (figures in docs/design/sm90-kernel.md): 64x256 CTAs where the 128-row tiles would leave half of their last tile
+    empty and the batch is small (n_rows <= 64, and an odd number of 64-row tiles up to SMALL_ODD_MAX rows); else the
+    persistent ping-pong kernel for PINGPONG_ROWS rows where D and the width are multiples of 64; 128x256 CTAs
+    otherwise. Every configuration computes the same bytes; this picks only the speed."""
+    tiles64 = -(-n_rows // 64)
+    if n_rows <= 64 or (n_rows <= SMALL_ODD_MAX and tiles64 % 2 == 1):
+        return "cta-64x256"
     if PINGPONG_ROWS[0] <= n_rows <= PINGPONG_ROWS[1] and _takes_shape("pingpong-128x192", d, width):
         return "pingpong-128x192"
-    tiles64 = -(-n_rows // 64)
-    return "cta-64x256" if n_rows <= 64 or (n_rows <= SMALL_ODD_MAX and tiles64 % 2 == 1) else "cta-128x256"
+    return "cta-128x256"
 
 
 _lock = threading.Lock()
