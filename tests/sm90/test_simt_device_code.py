@@ -27,7 +27,9 @@ from fused_logp.shared_contract.numpy_contract import contract_ex2, row_lse, til
 
 HERE = Path(__file__).resolve().parent / "simt"
 CSRC = Path(__file__).resolve().parents[2] / "src" / "fused_logp" / "kernel" / "csrc"
-CONFIGS = {"cta-128x256": 0, "cta-64x256": 1, "cta-64x128": 2, "pingpong-128x192": 3}
+CONFIGS = {"cta-128x256": 0, "cta-64x256": 1, "cta-64x128": 2, "pingpong-128x192": 3, "cta-192x192": 4}
+# the configurations whose consumer warps store the logits from their registers (and take widths in multiples of 64)
+REGISTER_LOGITS = ("pingpong-128x192", "cta-192x192")
 POISON = np.float32(1234.5)
 _P = ctypes.c_void_p
 
@@ -112,8 +114,8 @@ SHAPES = [(70, 704), (1, 320), (130, 653), (17, 300), (64, 128)]
 @pytest.mark.parametrize("n,v", SHAPES)
 @pytest.mark.parametrize("tkind", ["one", "mixed"])
 def test_forward_statistics_equal_the_oracle(lib, config, n, v, tkind):
-    if config.startswith("pingpong") and v % 64:
-        pytest.skip("pingpong-128x192 takes vocabulary widths that are multiples of 64 (the backend refuses others)")
+    if config in REGISTER_LOGITS and v % 64:
+        pytest.skip(f"{config} takes vocabulary widths that are multiples of 64 (the backend refuses others)")
     rng = np.random.default_rng([n, v, len(config), len(tkind)])
     z = logits(rng, n, v)
     temp = temperatures(rng, n, tkind)
@@ -161,16 +163,17 @@ def test_a_layout_error_is_caught(lib, config):
     assert not same_bytes(got[0], want[0]) and not same_bytes(got[2], want[2])
 
 
-@pytest.mark.parametrize("n,v,bias", [(70, 704, False), (200, 384, True), (1, 192, True)])
-def test_pingpong_logits_from_registers(lib, n, v, bias):
-    """pingpong-128x192 stores the logits (plus the bias) from its accumulator registers, slice by slice: every
-    element once, exactly the logits; the statistics of the same call unchanged."""
+@pytest.mark.parametrize("config", REGISTER_LOGITS)
+@pytest.mark.parametrize("n,v,bias", [(70, 704, False), (200, 384, True), (1, 192, True), (130, 448, True)])
+def test_logits_from_registers(lib, config, n, v, bias):
+    """pingpong-128x192 and cta-192x192 store the logits (plus the bias) from their accumulator registers, slice by
+    slice: every element once, exactly the logits; the statistics of the same call unchanged."""
     rng = np.random.default_rng([n, v])
     z = logits(rng, n, v)
     temp = temperatures(rng, n, "mixed")
     b = rng.standard_normal(v).astype(np.float32) if bias else None
     targets = rng.integers(0, v, n).astype(np.int64)
-    tmax, tsum, tl, out = run_stats(lib, "pingpong-128x192", z, temp, targets, bias=b, want_logits=True)
+    tmax, tsum, tl, out = run_stats(lib, config, z, temp, targets, bias=b, want_logits=True)
     etmax, etsum, etl, zb = expected_stats(z, temp, targets, bias=b)
     assert same_bytes(out, zb)
     assert same_bytes(tmax, etmax) and same_bytes(tsum, etsum) and same_bytes(tl, etl)

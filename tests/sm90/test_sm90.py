@@ -17,7 +17,8 @@ from helpers import bits_equal
 pytestmark = pytest.mark.gpu
 
 SENTINEL = 0x7FBADBAD          # a NaN payload no arithmetic produces
-VARIANTS = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192")   # sm90.LAUNCHES, besides "auto"
+# sm90.LAUNCHES, besides "auto"
+VARIANTS = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "cta-192x192")
 M_LIST = list(range(1, 18)) + [31, 63, 64, 65, 127, 128, 129, 255, 257, 1000, 4096]
 
 
@@ -375,12 +376,18 @@ def test_float64_accuracy(be, cgen):
     assert float((logp.double() - rlogp).abs().max()) < 5e-3
 
 
-@pytest.mark.parametrize("n,d,v", [(1000, 448, 44800), (130, 64, 13440), (77, 4096, 151936)])
-def test_pingpong_schedule_equals_the_cta_kernel(be, cgen, n, d, v):
-    """The persistent ping-pong kernel against cta-128x256, byte for byte: many 128x192 tiles a CTA (the two
-    consumers alternate, the ring's sequence runs on across tiles: 7 K blocks in a 5-stage ring), more tiles than
-    SMs with one K block, and the full-size shape; with and without the logits (stored by its consumer warps), bias,
-    mixed temperatures, a NaN and an inf row, targets at the slice and tile edges, ragged rows, a TP shard."""
+@pytest.mark.parametrize("variant,n,d,v", [
+    ("pingpong-128x192", 1000, 448, 44800), ("pingpong-128x192", 130, 64, 13440),
+    ("pingpong-128x192", 77, 4096, 151936),
+    ("cta-192x192", 129, 4096, 151936), ("cta-192x192", 192, 448, 44800), ("cta-192x192", 300, 64, 13440),
+    ("cta-192x192", 40, 256, 1024)])
+def test_register_store_kernels_equal_the_cta_kernel(be, cgen, variant, n, d, v):
+    """The kernels whose consumer warps store the logits from their registers against cta-128x256, byte for byte.
+    The persistent ping-pong kernel: many 128x192 tiles a CTA (the two consumers alternate, the ring's sequence runs
+    on across tiles: 7 K blocks in a 5-stage ring), more tiles than SMs with one K block, and the full-size shape.
+    The 192-row CTA kernel: 129 rows (one row in consumer 1's half), 192 rows with 7 K blocks in a 4-stage ring, a
+    second 192-row tile, and 40 rows (every half beyond N but the first). With and without the logits, bias, mixed
+    temperatures, a NaN and an inf row, targets at the slice and tile edges, ragged rows, a TP shard."""
     h, w, t, b = make_inputs(cgen, n, d, v, bias=True)
     h[n // 2, 3] = float("nan")
     h[n - 1, 0] = float("inf")
@@ -388,23 +395,23 @@ def test_pingpong_schedule_equals_the_cta_kernel(be, cgen, n, d, v):
     edges = torch.tensor([0, 63, 64, 127, 128, 191, 192, v - 1], device="cuda")
     tg[:8] = edges
     ref = run(be, h, w, tg, t, b, v, logits=True, variant="cta-128x256")
-    out = run(be, h, w, tg, t, b, v, logits=True, variant="pingpong-128x192")
+    out = run(be, h, w, tg, t, b, v, logits=True, variant=variant)
     assert beq(out[0], ref[0]) and beq(out[1], ref[1]) and beq(out[2], ref[2])
-    plain = run(be, h, w, tg, t, b, v, variant="pingpong-128x192")
+    plain = run(be, h, w, tg, t, b, v, variant=variant)
     assert beq(plain[0], ref[0]) and beq(plain[1], ref[1])
     assert math.isnan(float(out[0][n // 2])) and math.isnan(float(out[1][n - 1]))
     start, width = 64 * 3, 64 * ((v // 64) // 2)
     shard = {}
-    for variant in ("cta-128x256", "pingpong-128x192"):
-        be.launch = variant
+    for name in ("cta-128x256", variant):
+        be.launch = name
         st = be.shard_stats(h, w[start:start + width].contiguous(), tg, vocab_start=start, vocab_size=v,
                             bias=b[start:start + width].contiguous(), temperature=t, return_logits=True)
         no_sentinel(st["tile_max"], st["tile_sum"], st["target_logit"], st["logits"])
-        shard[variant] = st
+        shard[name] = st
     for k in ("tile_max", "tile_sum", "logits"):
-        assert beq(shard["pingpong-128x192"][k], shard["cta-128x256"][k]), k
+        assert beq(shard[variant][k], shard["cta-128x256"][k]), k
     owned = shard["cta-128x256"]["target_owned"]
-    assert beq(shard["pingpong-128x192"]["target_logit"][owned], shard["cta-128x256"]["target_logit"][owned])
+    assert beq(shard[variant]["target_logit"][owned], shard["cta-128x256"]["target_logit"][owned])
     be.launch = "auto"
 
 
@@ -430,7 +437,7 @@ def test_launch_names_are_the_extensions(be, cgen):
     out = [torch.empty(3, nt, device="cuda"), torch.empty(3, nt, device="cuda"), torch.empty(3, device="cuda")]
     tg = targets_for(cgen, 3, 128)
     with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-64x256, "
-                                           "cta-64x128, pingpong-128x192; got 'cta-96x256'"):
+                                           "cta-64x128, pingpong-128x192, cta-192x192; got 'cta-96x256'"):
         ext.fused_stats(h, w, tg, t, None, 0, 128, out[0], out[1], out[2], None, "cta-96x256", False)
     # the extension refuses what the ping-pong kernel does not take, as the backend does before it
     h80, w80, _, _ = make_inputs(cgen, 3, 80, 128)

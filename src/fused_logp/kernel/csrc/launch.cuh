@@ -120,4 +120,8 @@ extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor
 void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                      cudaStream_t stream);
 
+// Forward statistics with the 192-row CTA kernel, 192x192 tiles (sm90_cta_192x192.cu): D and n_real multiples of 64
+// (it refuses other calls).
+void launch_tall(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream);
+
 }  // namespace sm90
