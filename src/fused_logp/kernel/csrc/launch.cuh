@@ -89,6 +89,23 @@ inline int sm_count() {
   return n;
 }
 
+// The entry checks of a kernel whose consumer warps keep 64-row halves in registers (launch `name`: the ping-pong and
+// the 192-row CTA kernels), and its tile counts: D a multiple of 64 (every stage holds 4 k16 groups), n_real a
+// multiple of 64 (a 64-column slice is all real or all beyond it) and the logits 8-byte aligned (stored as pairs).
+// -> p with num_m, num_n for bm x bn tiles.
+inline FusedParams register_tile_params(const FusedParams& p, const char* name, int bm, int bn) {
+  TORCH_CHECK(p.d % kBK == 0, "sm90: launch ", name, " takes D a multiple of 64, got D = ", num(p.d));
+  TORCH_CHECK(p.n_real % kTile == 0, "sm90: launch ", name, " takes a vocabulary (shard) width that is a multiple "
+              "of 64, got ", num(p.n_real));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(p.logits) % 8 == 0, "sm90: launch ", name, " stores the logits as 8-byte "
+              "pairs: their start must be 8-byte aligned");
+  FusedParams q = p;
+  q.num_m = (p.n_rows + bm - 1) / bm;
+  q.num_n = (p.n_real + bn - 1) / bn;
+  TORCH_CHECK(static_cast<long long>(q.num_m) * q.num_n < (1LL << 31), "sm90: grid too large");
+  return q;
+}
+
 // Forward statistics with the CTA kernel, CTA tile (64 WM) x (WGN kConsumers / WM); the logits, where asked for,
 // stored by the producer warpgroup (fused_cta_kernel).
 template <int WM, int WGN>

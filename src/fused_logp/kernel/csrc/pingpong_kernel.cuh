@@ -26,17 +26,21 @@
 
 namespace sm90 {
 
-struct PingPongCfg {
-  static constexpr int BM = 128, BN = 192;
+// The tile and ring of a kernel whose consumer warpgroups hold 64-row halves of BN columns in their registers (this
+// kernel; the 192-row CTA kernel, tall_kernel.cuh): a stage holds BM hidden rows and BN weight rows of one K block.
+template <int BM_, int BN_, int STAGES_>
+struct RegisterTileCfg {
+  static constexpr int BM = BM_, BN = BN_;
   static constexpr int HALF_ACC = BN / 2;              // accumulators of a 64-row half, a thread
   static constexpr int A_BYTES = BM * kBK * 2;
   static constexpr int B_BYTES = BN * kBK * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = 5;
+  static constexpr int STAGES = STAGES_;
   static constexpr int SMEM = STAGES * STAGE_BYTES + 1024 /*align*/ + 256 /*barriers*/;
   static_assert(SMEM <= 227 * 1024, "the ring fits in an SM's shared memory");
-  static_assert(BN % kTile == 0 && BN <= 256, "whole vocabulary tiles; TMA box");
+  static_assert(BN % kTile == 0 && BN <= 256 && BM % 64 == 0 && BM <= 256, "whole vocabulary tiles; TMA box");
 };
+using PingPongCfg = RegisterTileCfg<128, 192, 5>;
 
 // Registers a thread: setmaxnreg.inc draws on the CTA's pool, which holds what the launch allocated (one CTA an SM:
 // 65536 / 384 threads, rounded down to a multiple of 8, = 168 a thread). The 2 x 96 accumulators and the statistics

@@ -8,16 +8,8 @@ namespace sm90 {
 void launch_tall(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                  cudaStream_t stream) {
   using C = TallCfg;
-  TORCH_CHECK(p.d % kBK == 0, "sm90: launch cta-192x192 takes D a multiple of 64, got D = ", num(p.d));
-  TORCH_CHECK(p.n_real % kTile == 0, "sm90: launch cta-192x192 takes a vocabulary (shard) width that is a "
-              "multiple of 64, got ", num(p.n_real));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(p.logits) % 8 == 0, "sm90: launch cta-192x192 stores the logits "
-              "as 8-byte pairs: their start must be 8-byte aligned");
-  FusedParams q = p;
-  q.num_m = (p.n_rows + C::BM - 1) / C::BM;
-  q.num_n = (p.n_real + C::BN - 1) / C::BN;
+  const FusedParams q = register_tile_params(p, "cta-192x192", C::BM, C::BN);
   const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
-  TORCH_CHECK(tiles < (1LL << 31), "sm90: grid too large");
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
   auto kern = p.logits != nullptr ? tall_kernel<true> : tall_kernel<false>;

@@ -17,17 +17,8 @@
 
 namespace sm90 {
 
-struct TallCfg {
-  static constexpr int BM = 192, BN = 192;
-  static constexpr int HALF_ACC = BN / 2;              // accumulators of a 64-row half, a thread
-  static constexpr int A_BYTES = BM * kBK * 2;
-  static constexpr int B_BYTES = BN * kBK * 2;
-  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = 4;
-  static constexpr int SMEM = STAGES * STAGE_BYTES + 1024 /*align*/ + 256 /*barriers*/;
-  static_assert(SMEM <= 227 * 1024, "the ring fits in an SM's shared memory");
-  static_assert(HALF_ACC == PingPongCfg::HALF_ACC, "the ping-pong kernel's half_epilogue takes these halves");
-};
+using TallCfg = RegisterTileCfg<192, 192, 4>;
+static_assert(TallCfg::HALF_ACC == PingPongCfg::HALF_ACC, "the ping-pong kernel's half_epilogue takes these halves");
 
 // A consumer's mainloop over the tile's K blocks: HALVES 64-row halves (2: consumer 0's acc0 and acc1; 1: acc0
 // alone, consumer 0 with rows [64, 128) beyond n_rows, or consumer 1), their A rows from byte offset a_off of each
