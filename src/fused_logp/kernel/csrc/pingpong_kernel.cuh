@@ -19,6 +19,16 @@
 // this kernel does not take: D not a multiple of 64 (every stage holds 4 k16 groups) and n_real not a multiple of 64
 // (a slice is all real or all beyond n_real: no lane-by-lane check, whose registers the 192 accumulators leave no
 // room for).
+//
+// CLUSTER = 2 (configuration pingpong-128x192-mc2): the CTAs run in clusters of two along M, which take the pairs of
+// m tiles (2 mp, 2 mp + 1) of one vocabulary tile together, in the same grouped raster over (m tile pairs, n tiles):
+// CTA rank r computes m tile 2 mp + r. Each CTA's producer loads its own hidden rows and one half (96 rows) of the
+// weight tile, multicast into the same stage of both CTAs, so that the weight is read from L2 once for two m tiles.
+// A stage's full barrier expects the whole stage (its hidden rows, both halves); its empty barrier counts one
+// release from each CTA (the consumer of that stage in both CTAs arrives on both CTAs' barriers), so that neither
+// producer refills a stage that either CTA still reads. The two CTAs meet (cluster barrier) after the barriers'
+// initialisation and before any thread exits. Where num_m is odd, the last pair's second tile lies beyond the rows:
+// that CTA loads the last real hidden tile again, runs the mainloop (its stages feed its peer) and stores nothing.
 #pragma once
 #include "fused_params.cuh"
 #include "ptx.cuh"
@@ -53,8 +63,18 @@ static_assert(128 * kPingPongProducerRegs + 128 * kConsumers * kPingPongConsumer
 constexpr int kOrderBar = 5;
 
 // The loop bounds, read from the parameters where they are used: locals held across the epilogue would take the
-// register that the logits stores need.
-__device__ __forceinline__ int tile_count(const FusedParams& p) { return p.num_m * p.num_n; }
+// register that the logits stores need. A unit is the work of one cluster: CLUSTER m tiles of one vocabulary tile.
+template <int CLUSTER>
+__device__ __forceinline__ int m_units(const FusedParams& p) { return (p.num_m + CLUSTER - 1) / CLUSTER; }
+template <int CLUSTER>
+__device__ __forceinline__ int unit_count(const FusedParams& p) { return m_units<CLUSTER>(p) * p.num_n; }
+// The units of this CTA's cluster: first_unit + i unit_stride; its m tile of a unit's CLUSTER: cluster_rank.
+template <int CLUSTER>
+__device__ __forceinline__ unsigned first_unit() { return blockIdx.x / CLUSTER; }
+template <int CLUSTER>
+__device__ __forceinline__ unsigned unit_stride() { return gridDim.x / CLUSTER; }
+template <int CLUSTER>
+__device__ __forceinline__ int cluster_rank() { return CLUSTER > 1 ? static_cast<int>(cluster_ctarank()) : 0; }
 __device__ __forceinline__ int k_blocks(const FusedParams& p) { return p.d / kBK; }
 
 // The logits of a 64 x 64 slice from its accumulators, after the statistics (which added the bias in place): the
@@ -88,11 +108,24 @@ __device__ __forceinline__ void half_epilogue(float (&acc)[PingPongCfg::HALF_ACC
   }
 }
 
-template <bool LOGITS>
+// A consumer's release of a stage it has read: one arrival on its empty barrier, in every CTA of the cluster (each
+// CTA's producer writes into both CTAs' stages).
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(uint64_t* empty_s) {
+  if constexpr (CLUSTER > 1) {
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(empty_s, r);
+  } else {
+    mbar_arrive(empty_s);
+  }
+}
+
+template <bool LOGITS, int CLUSTER = 1>
 __global__ void __launch_bounds__(kThreads, 1)
 pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                 const FusedParams p) {
   using C = PingPongCfg;
+  static_assert(CLUSTER == 1 || CLUSTER == 2, "clusters of one or two CTAs");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::STAGES * C::STAGE_BYTES);
@@ -103,46 +136,57 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 1);     // each stage is read by one consumer warpgroup
+      mbar_init(&empty[s], CLUSTER);     // each stage is read by one consumer warpgroup of each CTA
     }
     mbar_init_fence();
   }
-  __syncthreads();
+  if constexpr (CLUSTER > 1)
+    cluster_sync();                      // the peer's barriers are initialised before any multicast reaches them
+  else
+    __syncthreads();
 
   if (wg == 0) {
     // Producer warpgroup: one thread issues the TMA loads of every tile of this CTA, K blocks in order.
     setmaxnreg_dec<kPingPongProducerRegs>();
     if (threadIdx.x == 0) {
       int seq = 0;
-      for (int tile = blockIdx.x; tile < tile_count(p); tile += gridDim.x) {
-        int mt, ntile;
-        tile_coords(tile, p.num_m, p.num_n, mt, ntile);
+      for (int u = first_unit<CLUSTER>(); u < unit_count<CLUSTER>(p); u += unit_stride<CLUSTER>()) {
+        int mu, ntile;
+        tile_coords(u, m_units<CLUSTER>(p), p.num_n, mu, ntile);
+        // a tile beyond the rows (odd num_m) loads the last real hidden tile: its bytes fill the stage, unused
+        const int mt = CLUSTER > 1 ? min(CLUSTER * mu + cluster_rank<CLUSTER>(), p.num_m - 1) : mu;
         for (int kb = 0; kb < k_blocks(p); ++kb, ++seq) {
           const int s = seq % C::STAGES;
           mbar_wait(&empty[s], ((seq / C::STAGES) & 1) ^ 1);
           uint8_t* a = smem + s * C::STAGE_BYTES;
           mbar_expect_tx(&full[s], C::STAGE_BYTES);
           tma_load_2d(a, &map_h, &full[s], kb * kBK, mt * C::BM);
-          tma_load_2d(a + C::A_BYTES, &map_w, &full[s], kb * kBK, ntile * C::BN);
+          if constexpr (CLUSTER > 1)
+            tma_load_2d_multicast(a + C::A_BYTES + cluster_rank<CLUSTER>() * (C::B_BYTES / CLUSTER), &map_w,
+                                  &full[s], kb * kBK, ntile * C::BN + cluster_rank<CLUSTER>() * (C::BN / CLUSTER),
+                                  (1u << CLUSTER) - 1);
+          else
+            tma_load_2d(a + C::A_BYTES, &map_w, &full[s], kb * kBK, ntile * C::BN);
         }
       }
     }
+    if constexpr (CLUSTER > 1) cluster_sync();   // no CTA exits while its peer may still write into it
     return;
   }
 
   setmaxnreg_inc<kPingPongConsumerRegs>();
   const int c = wg - 1;
   const bool leader = threadIdx.x % 128 == 0;
-  // the CTA's tiles i = c, c + 2, ...: tile blockIdx.x + i gridDim.x, its K blocks from seq = i k_blocks(p) of the
+  // the CTA's units i = c, c + 2, ...: unit first_unit + i unit_stride, its K blocks from seq = i k_blocks(p) of the
   // ring's sequence
   for (int i = c;; i += 2) {
-    const int tile = blockIdx.x + i * gridDim.x;
-    if (tile >= tile_count(p)) break;
+    const int u = first_unit<CLUSTER>() + i * unit_stride<CLUSTER>();
+    if (u >= unit_count<CLUSTER>(p)) break;
     const int seq = i * k_blocks(p);
-    int mt, ntile;
-    tile_coords(tile, p.num_m, p.num_n, mt, ntile);
-    const int m0 = mt * C::BM, n0 = ntile * C::BN;
-    if (i > 0) named_bar_sync<256>(kOrderBar + c);       // the other consumer's mainloop of tile i - 1 is done
+    int mu, ntile;
+    tile_coords(u, m_units<CLUSTER>(p), p.num_n, mu, ntile);
+    const int m0 = (CLUSTER * mu + cluster_rank<CLUSTER>()) * C::BM, n0 = ntile * C::BN;
+    if (i > 0) named_bar_sync<256>(kOrderBar + c);       // the other consumer's mainloop of unit i - 1 is done
 
     float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
 #pragma unroll
@@ -166,14 +210,14 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
       wgmma_wait<1>();
       reg_fence<C::HALF_ACC>(acc0);
       reg_fence<C::HALF_ACC>(acc1);
-      if (kb > 0 && leader) mbar_arrive(&empty[(q - 1) % C::STAGES]);
+      if (kb > 0 && leader) release_stage<CLUSTER>(&empty[(q - 1) % C::STAGES]);
     }
     wgmma_wait<0>();
     reg_fence<C::HALF_ACC>(acc0);
     reg_fence<C::HALF_ACC>(acc1);
-    if (leader) mbar_arrive(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
-    // the next tile's mainloop may begin
-    if (tile + gridDim.x < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+    if (leader) release_stage<CLUSTER>(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
+    // the next unit's mainloop may begin
+    if (u + unit_stride<CLUSTER>() < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
 
     if (p.skip_epilogue) {   // timing hook: the mainloop alone
       float s0 = 0.0f, s1 = 0.0f;
@@ -189,9 +233,11 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
       }
       continue;
     }
+    // (a half whose rows are all beyond n_rows computes nothing: wg_reg_stats returns at once)
     half_epilogue<LOGITS>(acc0, p, m0, n0);
     half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
   }
+  if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 }  // namespace sm90
