@@ -27,9 +27,10 @@ from fused_logp.shared_contract.numpy_contract import contract_ex2, row_lse, til
 
 HERE = Path(__file__).resolve().parent / "simt"
 CSRC = Path(__file__).resolve().parents[2] / "src" / "fused_logp" / "kernel" / "csrc"
-CONFIGS = {"cta-128x256": 0, "cta-64x256": 1, "cta-64x128": 2, "pingpong-128x192": 3, "cta-192x192": 4}
+CONFIGS = {"cta-128x256": 0, "cta-64x256": 1, "cta-64x128": 2, "pingpong-128x192": 3, "cta-192x192": 4,
+           "swapab-128": 5}
 # the configurations whose consumer warps store the logits from their registers (and take widths in multiples of 64)
-REGISTER_LOGITS = ("pingpong-128x192", "cta-192x192")
+REGISTER_LOGITS = ("pingpong-128x192", "cta-192x192", "swapab-128")
 POISON = np.float32(1234.5)
 _P = ctypes.c_void_p
 
@@ -166,7 +167,7 @@ def test_a_layout_error_is_caught(lib, config):
 @pytest.mark.parametrize("config", REGISTER_LOGITS)
 @pytest.mark.parametrize("n,v,bias", [(70, 704, False), (200, 384, True), (1, 192, True), (130, 448, True)])
 def test_logits_from_registers(lib, config, n, v, bias):
-    """pingpong-128x192 and cta-192x192 store the logits (plus the bias) from their accumulator registers, slice by
+    """pingpong-128x192, cta-192x192 and swapab-128 store the logits (plus the bias) from their accumulator registers, slice by
     slice: every element once, exactly the logits; the statistics of the same call unchanged."""
     rng = np.random.default_rng([n, v])
     z = logits(rng, n, v)
@@ -177,6 +178,24 @@ def test_logits_from_registers(lib, config, n, v, bias):
     etmax, etsum, etl, zb = expected_stats(z, temp, targets, bias=b)
     assert same_bytes(out, zb)
     assert same_bytes(tmax, etmax) and same_bytes(tsum, etsum) and same_bytes(tl, etl)
+
+
+@pytest.mark.parametrize("n,v", [(33, 64), (96, 192), (200, 384), (256, 128), (257, 320), (600, 256)])
+def test_swapped_operand_row_tiles(lib, n, v):
+    """swapab-128 takes the batch in row tiles of 32-256 rows (rounded up to 32): one tile of 64, 96, 224 and 256 rows,
+    two tiles of 160 rows (257) and three of 224 (600); the tree's levels 5 and 6 across its warps, the targets' list,
+    a ragged last row tile, with the logits and bias, against the oracle."""
+    rng = np.random.default_rng([n, v, 5])
+    z = logits(rng, n, v)
+    temp = temperatures(rng, n, "mixed")
+    b = rng.standard_normal(v).astype(np.float32)
+    targets = rng.integers(0, v, n).astype(np.int64)
+    targets[: min(n, 40)] = rng.integers(0, min(v, 128), min(n, 40))    # many targets in the first CTA's rows
+    tmax, tsum, tl, out = run_stats(lib, "swapab-128", z, temp, targets, bias=b, want_logits=True)
+    etmax, etsum, etl, zb = expected_stats(z, temp, targets, bias=b)
+    assert same_bytes(out, zb)
+    for name, g, w in zip(("tile_max", "tile_sum", "target_logit"), (tmax, tsum, tl), (etmax, etsum, etl)):
+        assert same_bytes(g, w), name
 
 
 @pytest.mark.parametrize("threads", [64, 256])

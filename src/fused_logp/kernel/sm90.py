@@ -23,7 +23,8 @@ from .sm90_aux import SM90Aux, SM90TestHooks
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_64x256.cu",
             "sm90_cta_64x128.cu", "sm90_pingpong_128x192.cu", "sm90_cta_192x192.cu",
-            "sm90_pingpong_128x192_mc2.cu", "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
+            "sm90_pingpong_128x192_mc2.cu", "sm90_swapab_128.cu", "sm90_backward.cu", "sm90_transforms.cu",
+            "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
@@ -31,19 +32,24 @@ _TILE = C.VOCAB_TILE
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
 # of them, chosen by row count. With return_logits, the producer warpgroup of a cta-* configuration stores the logits
 # while the consumer warps compute the statistics; in pingpong-128x192 (and its clusters of two CTAs,
-# pingpong-128x192-mc2) the consumer warps store them after each slice's statistics (docs/design/sm90-kernel.md).
-LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2")
+# pingpong-128x192-mc2) the consumer warps store them after each slice's statistics, in swapab-128 after each tile's
+# statistics (docs/design/sm90-kernel.md).
+LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2",
+            "swapab-128")
 
 # Configurations that are built but have not yet passed `make test-gpu` on an H200: a call naming one is refused
 # unless FUSED_LOGP_CANDIDATE_LAUNCHES=1 (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto"
 # never picks one. cta-192x192: one CTA per 192 x 192 tile, for batches of 129-192 rows (tall_kernel.cuh).
 # pingpong-128x192-mc2: the ping-pong kernel in clusters of two CTAs along M, each weight tile loaded half by each CTA
-# and multicast into both (pingpong_kernel.cuh, CLUSTER = 2), for N >= 2048.
-CANDIDATE_LAUNCHES: frozenset = frozenset({"cta-192x192", "pingpong-128x192-mc2"})
+# and multicast into both (pingpong_kernel.cuh, CLUSTER = 2), for N >= 2048. swapab-128: the weight as the wgmma's A
+# operand and the batch as its B operand in row tiles of 32-256 rows (swap_kernel.cuh), for batches of 65-512 rows
+# that are not whole 128-row tiles.
+CANDIDATE_LAUNCHES: frozenset = frozenset({"cta-192x192", "pingpong-128x192-mc2", "swapab-128"})
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
-# kernels and the 192-row CTA kernel); other calls naming one are refused before the launch (and by the extension).
-_MULTIPLE_OF_64 = frozenset({"pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2"})
+# kernels, the 192-row CTA kernel and the swapped-operand kernel); other calls naming one are refused before the
+# launch (and by the extension).
+_MULTIPLE_OF_64 = frozenset({"pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2", "swapab-128"})
 
 
 def _takes_shape(name: str, d: int, width: int) -> bool:

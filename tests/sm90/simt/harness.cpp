@@ -10,6 +10,7 @@
 #include "row_merge.cuh"
 #include "tall_kernel.cuh"
 #include "stats_epilogue.cuh"
+#include "swap_kernel.cuh"
 
 namespace {
 
@@ -95,6 +96,55 @@ void tall_tiles(const float* z, const FusedParams& p) {
         });
 }
 
+// swapab-128 (swap_kernel.cuh): per CTA (row tile n0 of NR rows, weight rows vbase + [0, 128)), warp 1's row inputs
+// (swap_cta_init, one warp), then each consumer warpgroup's epilogue on its accumulators in the swapped layout
+// acc[4 j + 2 h + e] = z[n0 + 8 j + 2 q + e][v0 + 16 w + 8 h + g], +0 beyond the rows and columns of z. mislaid: the
+// thread's two batch rows exchanged, e -> 1 - e (its two vocabulary lanes h exchanged would leave every statistic
+// equal: they meet at one addition of the tree).
+template <int NR, bool LOGITS>
+void swap_tiles(const float* z, const FusedParams& p) {
+  simt::Block warp(32), block(128);
+  static sm90::SwapRows rows;
+  static sm90::SwapScratch<NR> sc;
+  for (int vbase = 0; vbase < p.n_real; vbase += sm90::kSwapBV)
+    for (int n0 = 0; n0 < p.n_rows; n0 += NR) {
+      warp.run([&](unsigned) { sm90::swap_cta_init<NR>(p, n0, vbase, &rows); });
+      for (int c = 0; c < 2; ++c) {
+        const int v0 = vbase + 64 * c;
+        if (v0 >= p.n_real) continue;
+        block.run([&](unsigned t) {
+          const int w = static_cast<int>(t % 128) / 32, l = static_cast<int>(t % 32);
+          float acc[NR / 2];
+          for (int j = 0; j < NR / 8; ++j)
+            for (int h = 0; h < 2; ++h)
+              for (int e = 0; e < 2; ++e) {
+                const int row = n0 + 8 * j + 2 * (l % 4) + e, col = v0 + 16 * w + 8 * h + l / 4;
+                acc[4 * j + 2 * h + (g_mislaid ? 1 - e : e)] =
+                    (row < p.n_rows && col < p.n_real) ? z[static_cast<long long>(row) * p.n_real + col] : 0.0f;
+              }
+          sm90::swap_epilogue<NR, LOGITS>(acc, p, rows, v0, 64 * c, n0, sc, sm90::kSwapEpiBar + c);
+        });
+      }
+    }
+}
+
+// The row tile swapab-128's launch takes for n_rows rows (sm90_swapab_128.cu launch_swap).
+template <bool LOGITS>
+void swap_launch(const float* z, const FusedParams& p) {
+  const int tiles = (p.n_rows + sm90::kSwapMaxRows - 1) / sm90::kSwapMaxRows;
+  const int per = (p.n_rows + tiles - 1) / tiles;
+  switch ((per + 31) / 32) {
+    case 1: return swap_tiles<32, LOGITS>(z, p);
+    case 2: return swap_tiles<64, LOGITS>(z, p);
+    case 3: return swap_tiles<96, LOGITS>(z, p);
+    case 4: return swap_tiles<128, LOGITS>(z, p);
+    case 5: return swap_tiles<160, LOGITS>(z, p);
+    case 6: return swap_tiles<192, LOGITS>(z, p);
+    case 7: return swap_tiles<224, LOGITS>(z, p);
+    default: return swap_tiles<256, LOGITS>(z, p);
+  }
+}
+
 template <int THREADS>
 int row_lse(const float* tile_max, const float* tile_sum, int n_rows, int n_tiles, float* lse) {
   simt::Block block(THREADS);
@@ -135,8 +185,8 @@ float simt_ex2(float x) { return simt::ex2_model(x); }
 
 // The forward statistics of z [n_rows, n_real] (fp32 GEMM logits without the bias), every tile of the launch
 // configuration `config`: 0 cta-128x256 (consumer tiles 64 x 256), 1 cta-64x256 (64 x 128), 2 cta-64x128 (64 x 64),
-// 3 pingpong-128x192, 4 cta-192x192 (for these two, logits is null or [n_rows, n_real]). -> 0, or -1 for an unknown
-// configuration.
+// 3 pingpong-128x192, 4 cta-192x192, 5 swapab-128 (for these three, logits is null or [n_rows, n_real]). -> 0, or -1
+// for an unknown configuration.
 int simt_forward_stats(int config, const float* z, int n_rows, int n_real, long long vocab_start,
                        const int64_t* targets, const float* temperature, const float* bias, float* tile_max,
                        float* tile_sum, float* target_logit, float* logits) {
@@ -153,6 +203,10 @@ int simt_forward_stats(int config, const float* z, int n_rows, int n_real, long 
     case 4:
       if (logits != nullptr) tall_tiles<true>(z, p);
       else tall_tiles<false>(z, p);
+      return 0;
+    case 5:
+      if (logits != nullptr) swap_launch<true>(z, p);
+      else swap_launch<false>(z, p);
       return 0;
     default: return -1;
   }

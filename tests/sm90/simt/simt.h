@@ -259,6 +259,7 @@ inline unsigned __ballot_sync(unsigned, int pred) {
   return r;
 }
 inline bool __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline bool __all_sync(unsigned m, int pred) { return __ballot_sync(m, pred) == 0xFFFFFFFFu; }
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) { simt::Block::current().exchange(0); }
 inline void __syncthreads() { simt::Block::current().sync(0); }

@@ -142,6 +142,10 @@ void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, c
 void launch_pingpong_mc2(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                          cudaStream_t stream);
 
+// Forward statistics with the swapped-operand kernel, 128 weight rows a CTA and row tiles of at most 256 rows
+// (sm90_swapab_128.cu, configuration swapab-128): D and n_real multiples of 64 (it refuses other calls).
+void launch_swap(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream);
+
 // Forward statistics with the 192-row CTA kernel, 192x192 tiles (sm90_cta_192x192.cu): D and n_real multiples of 64
 // (it refuses other calls).
 void launch_tall(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream);

@@ -130,8 +130,9 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 // its producer warpgroup (producer_logits in stats_epilogue.cuh), except cta-192x192 (tall_kernel.cuh), whose
 // consumer warps store them; "pingpong-RxC", the persistent ping-pong kernel with R x C consumer tiles, whose
 // consumer warps store the logits (pingpong_kernel.cuh), with "-mc2" in clusters of two CTAs that share each weight
-// tile by multicast. None changes a bit. One table gives the names for Python (launch_names), the dispatch and the
-// refusal.
+// tile by multicast; "swapab-128", the swapped-operand kernel (the weight as the wgmma's A operand, 128 rows a CTA;
+// swap_kernel.cuh), whose consumer warps store the logits. None changes a bit. One table gives the names for Python
+// (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 struct NamedLaunch {
   const char* name;
@@ -155,6 +156,9 @@ static const NamedLaunch kLaunches[] = {
      }},
     {"pingpong-128x192-mc2", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p,
                                 cudaStream_t s) { launch_pingpong_mc2(h, w, p, s); }},
+    {"swapab-128", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
+       launch_swap(h, w, p, s);
+     }},
 };
 
 std::vector<std::string> launch_names() {

@@ -1,0 +1,39 @@
+// The swapped-operand kernel (swap_kernel.cuh, configuration swapab-128), forward statistics and the logits where
+// asked for: its launch. The row tile NR is the batch split into the fewest tiles of at most 256 rows, rounded up to
+// a multiple of 32.
+#include "launch.cuh"
+#include "swap_kernel.cuh"
+
+namespace sm90 {
+
+template <int NR>
+static void launch_swap_rows(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
+                             cudaStream_t stream) {
+  using C = SwapCfg<NR>;
+  const FusedParams q = register_tile_params(p, "swapab-128", NR, kSwapBV);
+  const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
+  const CUtensorMap mh = make_map(hidden, NR);
+  const CUtensorMap mw = make_map(weight, kSwapBV);
+  auto kern = p.logits != nullptr ? swap_kernel<NR, true> : swap_kernel<NR, false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, q);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_swap(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
+                 cudaStream_t stream) {
+  const long long tiles = (static_cast<long long>(p.n_rows) + kSwapMaxRows - 1) / kSwapMaxRows;
+  const long long per = (p.n_rows + tiles - 1) / tiles;
+  switch ((per + 31) / 32) {
+    case 1: return launch_swap_rows<32>(hidden, weight, p, stream);
+    case 2: return launch_swap_rows<64>(hidden, weight, p, stream);
+    case 3: return launch_swap_rows<96>(hidden, weight, p, stream);
+    case 4: return launch_swap_rows<128>(hidden, weight, p, stream);
+    case 5: return launch_swap_rows<160>(hidden, weight, p, stream);
+    case 6: return launch_swap_rows<192>(hidden, weight, p, stream);
+    case 7: return launch_swap_rows<224>(hidden, weight, p, stream);
+    default: return launch_swap_rows<256>(hidden, weight, p, stream);
+  }
+}
+
+}  // namespace sm90
