@@ -114,10 +114,11 @@ def test_a_wrong_producer_parity_never_finishes():
         _run(3, 1, 2, 0, producer_parity_flip=True)
 
 
-def _run_cluster(units, clusters, kblocks, seed, *, release_both=True, parts=3):
+def _run_cluster(units, clusters, kblocks, seed, *, release_both=True, parts=3, beyond=()):
     """One cluster of two CTAs of pingpong_kernel<LOGITS, 2>. release_both=False: each consumer releases its own CTA's
     stage only, with an empty barrier of count 1 (the negative control of the cross-CTA release); parts: the parts
-    a full barrier's expect_tx counts (3: own hidden rows and both weight halves)."""
+    a full barrier's expect_tx counts (3: own hidden rows and both weight halves); beyond: the cluster's units i
+    whose CTA-1 tile lies beyond the rows (its consumer releases each stage as soon as its wait passes)."""
     rnd = random.Random(seed)
     for cl in range(clusters):
         n = len(range(cl, units, clusters))         # this cluster's units
@@ -176,11 +177,16 @@ def _run_cluster(units, clusters, kblocks, seed, *, release_both=True, parts=3):
                     got = content[x][s]
                     if got != {"A": q, "B0": q, "B1": q}:
                         raise Fault(f"CTA {x} consumer {c} read fill {got} of stage {s} for fill {q}")
+                    if x == 1 and i in beyond:
+                        release(x, s)
+                        yield
+                        continue
                     if held is not None:
                         release(x, held)
                     held = s
                     yield
-                release(x, held)
+                if held is not None:
+                    release(x, held)
                 if i + 1 < n:
                     bars[x][1 - c][0] += 1
                 yield
@@ -219,6 +225,9 @@ def test_clusters_of_two_read_their_own_fills_and_finish(kblocks):
         for clusters in (1, 2, 3):
             for seed in range(12):
                 _run_cluster(units, clusters, kblocks, seed)
+                # the last unit's second tile beyond the rows (an odd number of m tiles), or every unit's (one m tile)
+                _run_cluster(units, clusters, kblocks, seed, beyond={len(range(0, units, clusters)) - 1})
+                _run_cluster(units, clusters, kblocks, seed, beyond=set(range(units)))
 
 
 def test_without_the_release_into_the_peer_a_fill_lands_in_a_stage_still_read():

@@ -425,6 +425,38 @@ def test_register_store_kernels_equal_the_cta_kernel(be, cgen, variant, n, d, v)
     be.launch = "auto"
 
 
+@pytest.mark.parametrize("n", [32, 200, 257])
+def test_swapped_operands_give_the_same_logits_on_edge_classes(be, gen, n):
+    """swapab-128 multiplies with the weight as the wgmma's A operand: every edge class of the tensor-core rule
+    (tests/edge_inputs.py: subnormal operands and sums, cancellation, signed zero, overflow inside K, non-finite
+    inputs; K zero-padded to a multiple of 64, which adds no term), and random bit patterns over the whole bf16 range,
+    in row tiles of 32, 224 and 160 rows: logits, lse and logp byte for byte equal to cta-128x256's."""
+    from edge_inputs import CASES, bits_to_bf16, make_case, wide_bits
+    seed = int(torch.randint(0, 10 ** 6, (1,), generator=gen))
+    cases = []
+    for name in CASES:
+        _, h, w = make_case(name, seed, n=n, v=192)
+        cases.append((name, h, w))
+    rng = np.random.default_rng(seed)
+    for k in (64, 128):
+        cases.append((f"whole-range K={k}", bits_to_bf16(wide_bits(rng, (n, k))), bits_to_bf16(wide_bits(rng, (256, k)))))
+    failures = []
+    for name, h, w in cases:
+        pad = -h.shape[1] % 64
+        h = torch.nn.functional.pad(h.float(), (0, pad)).to(torch.bfloat16).cuda()
+        w = torch.nn.functional.pad(w.float(), (0, pad)).to(torch.bfloat16).cuda()
+        v = w.shape[0]
+        tg = torch.from_numpy(rng.integers(0, v, n)).cuda()
+        t = torch.from_numpy(rng.uniform(0.25, 4.0, n).astype(np.float32)).cuda()
+        ref = run(be, h, w, tg, t, None, v, logits=True, variant="cta-128x256")
+        out = run(be, h, w, tg, t, None, v, logits=True, variant="swapab-128")
+        for i, what in enumerate(("logp", "lse", "logits")):
+            if not beq(out[i], ref[i]):
+                failures.append(f"{name} {what}")
+    be.launch = "auto"
+    assert not failures, failures
+
+
 def test_unknown_launch_is_refused(be, cgen):
     h, w, t, _ = make_inputs(cgen, 3, 64, 128)
     be.launch = "cta-96x256"

@@ -28,7 +28,8 @@
 // release from each CTA (the consumer of that stage in both CTAs arrives on both CTAs' barriers), so that neither
 // producer refills a stage that either CTA still reads. The two CTAs meet (cluster barrier) after the barriers'
 // initialisation and before any thread exits. Where num_m is odd, the last pair's second tile lies beyond the rows:
-// that CTA loads the last real hidden tile again, runs the mainloop (its stages feed its peer) and stores nothing.
+// that CTA loads the last real hidden tile again (its stages feed its peer) and its consumer waits for and releases
+// each stage without computing.
 #pragma once
 #include "fused_params.cuh"
 #include "ptx.cuh"
@@ -187,6 +188,19 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     tile_coords(u, m_units<CLUSTER>(p), p.num_n, mu, ntile);
     const int m0 = (CLUSTER * mu + cluster_rank<CLUSTER>()) * C::BM, n0 = ntile * C::BN;
     if (i > 0) named_bar_sync<256>(kOrderBar + c);       // the other consumer's mainloop of unit i - 1 is done
+    if constexpr (CLUSTER > 1) {
+      if (m0 >= p.n_rows) {
+        // a tile beyond the rows (odd num_m): each stage is waited for (its bytes keep the barrier's count) and
+        // released, nothing is computed
+        for (int kb = 0; kb < k_blocks(p); ++kb) {
+          const int q = seq + kb, s = q % C::STAGES;
+          mbar_wait(&full[s], (q / C::STAGES) & 1);
+          if (leader) release_stage<CLUSTER>(&empty[s]);
+        }
+        if (u + unit_stride<CLUSTER>() < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+        continue;
+      }
+    }
 
     float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
 #pragma unroll

@@ -229,7 +229,9 @@ swap_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ C
             const FusedParams p) {
   using C = SwapCfg<NR>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // aligned by an offset from smem_raw (not through an integer), so that the epilogue's accesses of the row inputs
+  // and the scratch compile to shared-memory instructions, not generic ones
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::STAGES * C::STAGE_BYTES);
   uint64_t* empty = full + C::STAGES;
   SwapRows* rows = reinterpret_cast<SwapRows*>(smem + C::STAGES * C::STAGE_BYTES + 256);
