@@ -166,15 +166,21 @@ __device__ __forceinline__ void swap_epilogue(float (&acc)[NR / 2], const FusedP
   for (int i = 0; i < NR / 2; ++i) amax = max_nan(amax, fabsf(acc[i]));
   const bool warp_bad = __any_sync(0xffffffffu, !(amax < __int_as_float(0x7F800000)));
   float mx[NS];
+  if (!warp_bad) {                             // (warp-uniform)
 #pragma unroll
-  for (int j = 0; j < NR / 8; ++j)
+    for (int j = 0; j < NR / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float a = acc[4 * j + e], b = acc[4 * j + 2 + e];
-      mx[2 * j + e] = max_nan(a, b);
-      if (warp_bad && !(fabsf(a) < __int_as_float(0x7F800000) && fabsf(b) < __int_as_float(0x7F800000)))
-        mx[2 * j + e] = __int_as_float(0x7FFFFFFF);
-    }
+      for (int e = 0; e < 2; ++e) mx[2 * j + e] = max_nan(acc[4 * j + e], acc[4 * j + 2 + e]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < NR / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float a = acc[4 * j + e], b = acc[4 * j + 2 + e];
+        const bool finite = fabsf(a) < __int_as_float(0x7F800000) && fabsf(b) < __int_as_float(0x7F800000);
+        mx[2 * j + e] = finite ? max_nan(a, b) : __int_as_float(0x7FFFFFFF);
+      }
+  }
   {
     float m1[NS / 2], m2[NS / 4], m3[NK];
     swap_scatter<4, NS, true>(mx, m1, g0);
