@@ -25,6 +25,26 @@ class Fault(AssertionError):
     pass
 
 
+def _drive(rnd, agents, pending, land, steps, stuck):
+    """Runs the agents (generators: each next() is one step up to a wait) and the landing of the pending copies (a
+    list; land(item) completes one) in a random order until every agent has finished; raises Fault(stuck) if that
+    takes more than `steps` steps."""
+    alive = [True] * len(agents)
+    for _ in range(steps):
+        ready = [k for k in range(len(agents)) if alive[k]] + (["tma"] if pending else [])
+        if not ready:
+            return
+        k = rnd.choice(ready)
+        if k == "tma":
+            land(pending.pop(rnd.randrange(len(pending))))
+        else:
+            try:
+                next(agents[k])
+            except StopIteration:
+                alive[k] = False
+    raise Fault(stuck)
+
+
 def _run(tiles, grid, kblocks, seed, *, order=True, producer_parity_flip=False):
     rnd = random.Random(seed)
     for block in range(grid):
@@ -75,24 +95,13 @@ def _run(tiles, grid, kblocks, seed, *, order=True, producer_parity_flip=False):
                         raise Fault("a second signal before the wait of the first")
                 yield
 
-        agents = [producer(), consumer(0), consumer(1)]
-        alive = [True] * 3
-        for _ in range(200000):
-            ready = [k for k in range(3) if alive[k]] + (["tma"] if issued else [])
-            if not ready:
-                break
-            k = rnd.choice(ready)
-            if k == "tma":
-                s, q = issued.pop(rnd.randrange(len(issued)))
-                content[s] = q
-                full[s] += 1
-            else:
-                try:
-                    next(agents[k])
-                except StopIteration:
-                    alive[k] = False
-        else:
-            raise Fault(f"no progress: tiles {tiles}, grid {grid}, K blocks {kblocks}, CTA {block}")
+        def land(item):
+            s, q = item
+            content[s] = q
+            full[s] += 1
+
+        _drive(rnd, [producer(), consumer(0), consumer(1)], issued, land, 200000,
+               f"no progress: tiles {tiles}, grid {grid}, K blocks {kblocks}, CTA {block}")
 
 
 @pytest.mark.parametrize("kblocks", [1, 2, 4, 5, 6, 7, 11])
@@ -196,27 +205,17 @@ def _run_cluster(units, clusters, kblocks, seed, *, release_both=True, parts=3, 
             for y in ((0, 1) if release_both else (x,)):
                 arrive_empty(y, s)
 
+        def land(item):
+            y, s, part, q = item
+            if released[y][s] < q // STAGES:
+                raise Fault(f"fill {q} landed in CTA {y}'s stage {s} before its fill {q - STAGES} was released")
+            content[y][s][part] = q
+            tx[y][s] -= 1
+            full_done(y, s)
+
         agents = [producer(0), producer(1), consumer(0, 0), consumer(0, 1), consumer(1, 0), consumer(1, 1)]
-        alive = [True] * len(agents)
-        for _ in range(400000):
-            ready = [k for k in range(len(agents)) if alive[k]] + (["tma"] if landing else [])
-            if not ready:
-                break
-            k = rnd.choice(ready)
-            if k == "tma":
-                y, s, part, q = landing.pop(rnd.randrange(len(landing)))
-                if released[y][s] < q // STAGES:
-                    raise Fault(f"fill {q} landed in CTA {y}'s stage {s} before its fill {q - STAGES} was released")
-                content[y][s][part] = q
-                tx[y][s] -= 1
-                full_done(y, s)
-            else:
-                try:
-                    next(agents[k])
-                except StopIteration:
-                    alive[k] = False
-        else:
-            raise Fault(f"no progress: units {units}, clusters {clusters}, K blocks {kblocks}, cluster {cl}")
+        _drive(rnd, agents, landing, land, 400000,
+               f"no progress: units {units}, clusters {clusters}, K blocks {kblocks}, cluster {cl}")
 
 
 @pytest.mark.parametrize("kblocks", [1, 2, 4, 5, 6, 7, 11])
