@@ -29,6 +29,17 @@ def test_generated_constants_header_is_current():
     assert f'"{C.CONTRACT_VERSION}"' in text and f"0x{C.EXP_LOG2E:08X}u" in text
 
 
+def test_generated_wgmma_header_is_current():
+    """kernel/csrc/wgmma.cuh, the wgmma wrappers (one per accumulator width) that ptx.cuh includes, is what
+    kernel/wgmma_header.py renders; no other file issues wgmma.mma_async."""
+    from fused_logp.kernel import wgmma_header
+    assert wgmma_header.HEADER.read_text() == wgmma_header.render(), \
+        "run: python -m fused_logp.kernel.wgmma_header --write"
+    assert '#include "wgmma.cuh"' in (CSRC / "ptx.cuh").read_text()
+    sites = {f.name: f.read_text().count("wgmma.mma_async") for f in CSRC.glob("*.cu*")}
+    assert {k: v for k, v in sites.items() if v} == {"wgmma.cuh": len(wgmma_header.WIDTHS)}, sites
+
+
 def test_both_compiled_implementations_take_the_constants_from_the_header():
     cuh = HEADER.read_text()
     assert '#include "contract_constants.h"' in cuh
