@@ -44,18 +44,23 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+def generated_file_main(argv, header: Path, text: str, module: str, doc: str) -> int:
+    """The command of a generated, committed source file: --write writes `text` to `header`; without it, exit 1 (and
+    say how to regenerate) where the file is not `text`."""
+    p = argparse.ArgumentParser(description=doc)
     p.add_argument("--write", action="store_true", help="write the header (default: check it)")
     a = p.parse_args(argv)
-    text = render()
     if a.write:
-        HEADER.write_text(text)
+        header.write_text(text)
         return 0
-    if not HEADER.exists() or HEADER.read_text() != text:
-        print(f"{HEADER} is not current: run python -m fused_logp.kernel.contract_header --write", file=sys.stderr)
+    if not header.exists() or header.read_text() != text:
+        print(f"{header} is not current: run python -m {module} --write", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv=None) -> int:
+    return generated_file_main(argv, HEADER, render(), "fused_logp.kernel.contract_header", __doc__)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ tests/sm90/test_sm90_compile.py checks that the header is current. Regenerate wi
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+from .contract_header import generated_file_main
 
 HEADER = Path(__file__).resolve().parent / "csrc" / "wgmma.cuh"
 
@@ -72,17 +73,7 @@ def render() -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--write", action="store_true", help="write the header (default: check it)")
-    a = p.parse_args(argv)
-    text = render()
-    if a.write:
-        HEADER.write_text(text)
-        return 0
-    if not HEADER.exists() or HEADER.read_text() != text:
-        print(f"{HEADER} is not current: run python -m fused_logp.kernel.wgmma_header --write", file=sys.stderr)
-        return 1
-    return 0
+    return generated_file_main(argv, HEADER, render(), "fused_logp.kernel.wgmma_header", __doc__)
 
 
 if __name__ == "__main__":
