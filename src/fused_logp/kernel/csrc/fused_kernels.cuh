@@ -59,29 +59,14 @@ fused_cta_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constan
   const int kblocks = (p.d + kBK - 1) / kBK;
   const int kgroups = p.d / contract::K_GROUP;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers);
-    }
-    mbar_init_fence();
-  }
+  init_ring<C::STAGES>(full, empty, kConsumers);
   __syncthreads();
 
   if (wg == 0) {
     // Producer warpgroup: one thread issues TMA loads.
     setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) {
-      for (int kb = 0; kb < kblocks; ++kb) {
-        const int s = kb % C::STAGES;
-        mbar_wait(&empty[s], ((kb / C::STAGES) & 1) ^ 1);
-        uint8_t* a = smem + s * C::STAGE_BYTES;
-        uint8_t* b = a + C::A_BYTES;
-        mbar_expect_tx(&full[s], C::STAGE_BYTES);
-        tma_load_2d(a, &map_h, &full[s], kb * kBK, m0);
-        tma_load_2d(b, &map_w, &full[s], kb * kBK, n0);
-      }
-    }
+    if (threadIdx.x == 0)
+      load_tile<C::STAGES, C::STAGE_BYTES, C::A_BYTES, kBK>(smem, full, empty, kblocks, &map_h, m0, &map_w, n0);
     if constexpr (LOGITS && !DZ) {
       __syncwarp();
       if (!p.skip_epilogue) {

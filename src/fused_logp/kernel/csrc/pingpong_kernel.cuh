@@ -109,6 +109,24 @@ __device__ __forceinline__ void half_epilogue(float (&acc)[PingPongCfg::HALF_ACC
   }
 }
 
+// The timing hook's stores (the mainloop alone; the outputs are then meaningless): each 64-row half's accumulator
+// sum, rows row0 + [0, 64) and, `second`, row0 + 64 + [0, 64), into tile_max at the first vocabulary tile of n0.
+__device__ __forceinline__ void store_mainloop_sums(const float (&acc0)[PingPongCfg::HALF_ACC],
+                                                    const float (&acc1)[PingPongCfg::HALF_ACC], const FusedParams& p,
+                                                    int row0, int n0, bool second) {
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int k = 0; k < PingPongCfg::HALF_ACC; ++k) {
+    s0 += acc0[k];
+    s1 += acc1[k];
+  }
+  const int row = row0 + (threadIdx.x % 128) / 4;
+  if ((threadIdx.x % 4) == 0 && n0 < p.n_real) {
+    if (row < p.n_rows) p.tile_max[static_cast<long long>(row) * p.nt + n0 / kTile] = s0;
+    if (second && row + 64 < p.n_rows) p.tile_max[static_cast<long long>(row + 64) * p.nt + n0 / kTile] = s1;
+  }
+}
+
 // A consumer's release of a stage it has read: one arrival on its empty barrier, in every CTA of the cluster (each
 // CTA's producer writes into both CTAs' stages).
 template <int CLUSTER>
@@ -134,13 +152,7 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
 
   const int wg = threadIdx.x / 128;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], CLUSTER);     // each stage is read by one consumer warpgroup of each CTA
-    }
-    mbar_init_fence();
-  }
+  init_ring<C::STAGES>(full, empty, CLUSTER);     // each stage is read by one consumer warpgroup of each CTA
   if constexpr (CLUSTER > 1)
     cluster_sync();                      // the peer's barriers are initialised before any multicast reaches them
   else
@@ -234,17 +246,7 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     if (u + unit_stride<CLUSTER>() < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
 
     if (p.skip_epilogue) {   // timing hook: the mainloop alone
-      float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-      for (int k = 0; k < C::HALF_ACC; ++k) {
-        s0 += acc0[k];
-        s1 += acc1[k];
-      }
-      const int row = m0 + (threadIdx.x % 128) / 4;
-      if ((threadIdx.x % 4) == 0 && n0 < p.n_real) {
-        if (row < p.n_rows) p.tile_max[static_cast<long long>(row) * p.nt + n0 / kTile] = s0;
-        if (row + 64 < p.n_rows) p.tile_max[static_cast<long long>(row + 64) * p.nt + n0 / kTile] = s1;
-      }
+      store_mainloop_sums(acc0, acc1, p, m0, n0, true);
       continue;
     }
     // (a half whose rows are all beyond n_rows computes nothing: wg_reg_stats returns at once)

@@ -139,6 +139,34 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
         "h"(cta_mask)
       : "memory");
 }
+// ---- a ring of shared-memory stages, each a full and an empty mbarrier ------------------------------------
+// The barriers' initialisation, by thread 0 (the caller then synchronises the CTA or the cluster): full[s] awaits one
+// arrival (the producer's, with the stage's bytes), empty[s] `readers` releases.
+template <int STAGES>
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int readers) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], readers);
+    }
+    mbar_init_fence();
+  }
+}
+// One tile's kblocks K blocks of BK elements through the ring, by one producer thread: stage kb % STAGES holds the box
+// of map_a at row_a (its first A_BYTES) and the box of map_b at row_b, once the stage's previous fill is released.
+template <int STAGES, int STAGE_BYTES, int A_BYTES, int BK>
+__device__ __forceinline__ void load_tile(uint8_t* smem, uint64_t* full, uint64_t* empty, int kblocks,
+                                          const CUtensorMap* map_a, int row_a, const CUtensorMap* map_b, int row_b) {
+  for (int kb = 0; kb < kblocks; ++kb) {
+    const int s = kb % STAGES;
+    mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
+    uint8_t* a = smem + s * STAGE_BYTES;
+    mbar_expect_tx(&full[s], STAGE_BYTES);
+    tma_load_2d(a, map_a, &full[s], kb * BK, row_a);
+    tma_load_2d(a + A_BYTES, map_b, &full[s], kb * BK, row_b);
+  }
+}
+
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int col0, int row0) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
                ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(col0), "r"(row0)

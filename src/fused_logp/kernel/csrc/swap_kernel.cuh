@@ -248,26 +248,13 @@ swap_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ C
   const int n0 = rt * NR, vbase = vt * kSwapBV;
   const int wg = threadIdx.x / 128;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers);
-    }
-    mbar_init_fence();
-  }
+  init_ring<C::STAGES>(full, empty, kConsumers);
   __syncthreads();
 
   if (wg == 0) {
     setmaxnreg_dec<40>();
     if (threadIdx.x == 0) {
-      for (int kb = 0; kb < p.d / kBK; ++kb) {
-        const int s = kb % C::STAGES;
-        mbar_wait(&empty[s], ((kb / C::STAGES) & 1) ^ 1);
-        uint8_t* a = smem + s * C::STAGE_BYTES;
-        mbar_expect_tx(&full[s], C::STAGE_BYTES);
-        tma_load_2d(a, &map_w, &full[s], kb * kBK, vbase);
-        tma_load_2d(a + C::A_BYTES, &map_h, &full[s], kb * kBK, n0);
-      }
+      load_tile<C::STAGES, C::STAGE_BYTES, C::A_BYTES, kBK>(smem, full, empty, p.d / kBK, &map_w, vbase, &map_h, n0);
     } else if (threadIdx.x / 32 == 1) {
       swap_cta_init<NR>(p, n0, vbase, rows);
       named_bar_arrive<128 * kConsumers + 32>(kSwapInitBar);

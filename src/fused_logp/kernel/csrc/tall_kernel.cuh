@@ -74,28 +74,14 @@ tall_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ C
   const int m0 = mt * C::BM, n0 = ntile * C::BN;
   const int wg = threadIdx.x / 128;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers);     // each stage is read by both consumer warpgroups
-    }
-    mbar_init_fence();
-  }
+  init_ring<C::STAGES>(full, empty, kConsumers);     // each stage is read by both consumer warpgroups
   __syncthreads();
 
   if (wg == 0) {
     // Producer warpgroup: one thread issues the TMA loads of the tile's K blocks.
     setmaxnreg_dec<kPingPongProducerRegs>();
-    if (threadIdx.x == 0) {
-      for (int kb = 0; kb < p.d / kBK; ++kb) {
-        const int s = kb % C::STAGES;
-        mbar_wait(&empty[s], ((kb / C::STAGES) & 1) ^ 1);
-        uint8_t* a = smem + s * C::STAGE_BYTES;
-        mbar_expect_tx(&full[s], C::STAGE_BYTES);
-        tma_load_2d(a, &map_h, &full[s], kb * kBK, m0);
-        tma_load_2d(a + C::A_BYTES, &map_w, &full[s], kb * kBK, n0);
-      }
-    }
+    if (threadIdx.x == 0)
+      load_tile<C::STAGES, C::STAGE_BYTES, C::A_BYTES, kBK>(smem, full, empty, p.d / kBK, &map_h, m0, &map_w, n0);
     return;
   }
 
@@ -112,17 +98,7 @@ tall_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ C
     tall_mainloop<1>(acc0, acc1, smem, full, empty, p, c * 128 * (kBK * 2), leader);
 
   if (p.skip_epilogue) {   // timing hook: the mainloop alone
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C::HALF_ACC; ++k) {
-      s0 += acc0[k];
-      s1 += acc1[k];
-    }
-    const int row = row0 + (threadIdx.x % 128) / 4;
-    if ((threadIdx.x % 4) == 0 && n0 < p.n_real) {
-      if (row < p.n_rows) p.tile_max[static_cast<long long>(row) * p.nt + n0 / kTile] = s0;
-      if (c == 0 && row + 64 < p.n_rows) p.tile_max[static_cast<long long>(row + 64) * p.nt + n0 / kTile] = s1;
-    }
+    store_mainloop_sums(acc0, acc1, p, row0, n0, c == 0);
     return;
   }
   if (row0 < p.n_rows) half_epilogue<LOGITS>(acc0, p, row0, n0);
