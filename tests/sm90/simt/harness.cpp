@@ -128,12 +128,10 @@ void swap_tiles(const float* z, const FusedParams& p) {
     }
 }
 
-// The row tile swapab-128's launch takes for n_rows rows (sm90_swapab_128.cu launch_swap).
+// swapab-128 with the row tile its launch takes (swap_row_tile, as sm90_swapab_128.cu launch_swap).
 template <bool LOGITS>
 void swap_launch(const float* z, const FusedParams& p) {
-  const int tiles = (p.n_rows + sm90::kSwapMaxRows - 1) / sm90::kSwapMaxRows;
-  const int per = (p.n_rows + tiles - 1) / tiles;
-  switch ((per + 31) / 32) {
+  switch (sm90::swap_row_tile(p.n_rows) / 32) {
     case 1: return swap_tiles<32, LOGITS>(z, p);
     case 2: return swap_tiles<64, LOGITS>(z, p);
     case 3: return swap_tiles<96, LOGITS>(z, p);

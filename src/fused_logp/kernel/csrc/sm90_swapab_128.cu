@@ -1,6 +1,5 @@
 // The swapped-operand kernel (swap_kernel.cuh, configuration swapab-128), forward statistics and the logits where
-// asked for: its launch. The row tile NR is the batch split into the fewest tiles of at most 256 rows, rounded up to
-// a multiple of 32.
+// asked for: its launch, with the row tile NR that swap_row_tile picks.
 #include "launch.cuh"
 #include "swap_kernel.cuh"
 
@@ -22,9 +21,7 @@ static void launch_swap_rows(const torch::Tensor& hidden, const torch::Tensor& w
 
 void launch_swap(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                  cudaStream_t stream) {
-  const long long tiles = (static_cast<long long>(p.n_rows) + kSwapMaxRows - 1) / kSwapMaxRows;
-  const long long per = (p.n_rows + tiles - 1) / tiles;
-  switch ((per + 31) / 32) {
+  switch (swap_row_tile(p.n_rows) / 32) {
     case 1: return launch_swap_rows<32>(hidden, weight, p, stream);
     case 2: return launch_swap_rows<64>(hidden, weight, p, stream);
     case 3: return launch_swap_rows<96>(hidden, weight, p, stream);

@@ -33,6 +33,14 @@ constexpr int kSwapMaxRows = 256;            // the largest row tile (wgmma N)
 constexpr int kSwapInitBar = 1;              // warp 1 of warpgroup 0 has written the CTA's row inputs
 constexpr int kSwapEpiBar = 2;               // + c: consumer c's epilogue steps (128 threads)
 
+// The row tile of a call of n_rows rows (the launch, and the SIMT harness that mirrors it): the batch in the fewest
+// tiles of at most kSwapMaxRows rows, rounded up to a multiple of 32.
+inline int swap_row_tile(long long n_rows) {
+  const long long tiles = (n_rows + kSwapMaxRows - 1) / kSwapMaxRows;
+  const long long per = (n_rows + tiles - 1) / tiles;
+  return static_cast<int>((per + 31) / 32 * 32);
+}
+
 // The CTA's per-row inputs (swap_cta_init): the temperature and the row scale div(LOG2E, T) of each of its NR rows
 // (1 and LOG2E beyond n_rows), and the rows whose target lies in its 128 weight rows (hit_n: row in the tile,
 // hit_v: the target's weight row in the CTA, in row order).
