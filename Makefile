@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu gpu-candidate bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-sanitizers gpu-sanitizers-run gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe sass-epilogue clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-sanitizers gpu-sanitizers-run gpu-sanitizers-backward-run gpu-dz-candidate gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe sass-epilogue clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -82,6 +82,7 @@ bench-fwd-peers: peer-site
 # findings (compute-sanitizer --error-exitcode 9) are listed in $OUT/sanitizer-findings.txt and fail the round after
 # the benchmark has run.
 SMOKE_SHAPE ?= 300,320,12160,12000
+SMOKE_DZ_LAUNCHES ?= cta-128x256,pingpong-128x192
 # full tiles without bias: the producer stores' unchecked path
 SMOKE_NOBIAS_SHAPE ?= 256,320,12288,12288
 # the extension built (or loaded) once; exit 4 when the backend is unavailable
@@ -102,7 +103,8 @@ gpu-kernel-round: peer-site
 	@$(SANITIZER_FINDINGS_FAIL)
 
 # compute-sanitizer memcheck, racecheck and synccheck on the smoke run of SMOKE_LAUNCHES (and auto) at the three
-# shapes of gpu-kernel-round, the extension built first; findings fail it (exit 9) once all nine runs are done.
+# shapes of gpu-kernel-round, and on the backward's smoke run with each of SMOKE_DZ_LAUNCHES (the dz configurations,
+# kernel/sm90.py DZ_LAUNCHES), the extension built first; findings fail it (exit 9) once all twelve runs are done.
 # gpu-sanitizers-run: the loop alone (gpu-kernel-round runs it and fails after its benchmark).
 gpu-sanitizers:
 	@mkdir -p $${OUT:-out}
@@ -122,6 +124,19 @@ gpu-sanitizers-run:
 		{ echo "== $$tool $$run rc=$$rc"; cat $$log; } >> $${OUT:-out}/sanitizers.txt; rm -f $$log; \
 		if [ $$rc = 9 ]; then echo "$$tool $$run" >> $${OUT:-out}/sanitizer-findings.txt; elif [ $$rc != 0 ]; then exit $$rc; fi; \
 	done; done
+	$(MAKE) --no-print-directory gpu-sanitizers-backward-run
+
+# the backward's three runs alone (a findings file of earlier runs is kept)
+gpu-sanitizers-backward-run:
+	@mkdir -p $${OUT:-out}
+	for tool in memcheck racecheck synccheck; do \
+		log=$${OUT:-out}/sanitizer-run.txt; \
+		$(GPU_ENV) timeout 120 compute-sanitizer --tool $$tool --error-exitcode 9 $(PYTHON) -P bench/benchmark_linear_logp_backward.py \
+			--smoke --dz-launches $(SMOKE_DZ_LAUNCHES) > $$log 2>&1; \
+		rc=$$?; echo "$$tool backward rc=$$rc"; tail -2 $$log; \
+		{ echo "== $$tool backward rc=$$rc"; cat $$log; } >> $${OUT:-out}/sanitizers.txt; rm -f $$log; \
+		if [ $$rc = 9 ]; then echo "$$tool backward" >> $${OUT:-out}/sanitizer-findings.txt; elif [ $$rc != 0 ]; then exit $$rc; fi; \
+	done
 
 # Nsight Compute on the forward kernel (the SM90 machine runs Firecracker, where ncu reads the counters; clocks left
 # alone): one profiled call each of PROFILE_LAUNCH (default cta-128x256; PROFILE_KERNEL, the kernel name regex, default
@@ -181,6 +196,23 @@ gpu-candidate:
 	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
 	$(MAKE) --no-print-directory gpu-ab AB_LAUNCHES=$(CANDIDATE_AB),$(CANDIDATE),$(CANDIDATE_MAINLOOPS)
 	$(GPU_ENV) timeout 120 $(PYTHON) -P bench/kernel_split.py --n 1,256,2048,8192 --out $${OUT:-out}
+
+# The backward's dz candidate (kernel/sm90.py DZ_CANDIDATE_LAUNCHES: pingpong-128x192) in one call: the build, its GPU
+# tests (tests/backward/test_backward_gpu.py and the extension's names, -k "dz or launch_names"; 300 s), the
+# backward's sanitizer runs with both dz configurations, then the backward benchmark at N = 2048 and 8192 with the
+# two dz configurations in interleaved rounds beside the GEMM (--dz-launches; into $OUT/backward-dz.json and .txt).
+gpu-dz-candidate:
+	@mkdir -p $${OUT:-out}
+	@rm -f $${OUT:-out}/sanitizer-findings.txt
+	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
+	$(GPU_ENV) timeout 300 $(PYTHON) -P -m pytest -v -p no:cacheprovider tests/backward/test_backward_gpu.py \
+		tests/sm90/test_sm90.py -k "dz or launch_names" > $${OUT:-out}/tests-dz.txt 2>&1; rc=$$?; \
+		grep -o "test_[a-z_0-9]*\[*[^] ]*\]* [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/tests-dz.txt | tail -30; exit $$rc
+	$(MAKE) --no-print-directory gpu-sanitizers-backward-run
+	$(GPU_ENV) timeout 300 $(PYTHON) -P bench/benchmark_linear_logp_backward.py --n 2048 8192 \
+		--dz-launches cta-128x256,pingpong-128x192 --out $${OUT:-out}/backward-dz.json > $${OUT:-out}/backward-dz.txt 2>&1; \
+		rc=$$?; cat $${OUT:-out}/backward-dz.txt | tail -12; [ $$rc = 0 ] || exit $$rc
+	@$(SANITIZER_FINDINGS_FAIL)
 
 # racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 128 variants, each with or without
 # one of the kernel's features (setmaxnreg, a producer thread apart before the handoff barrier, the consumers' own

@@ -18,7 +18,7 @@ from fused_logp.kernel import autograd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/peers.py (scripts run with -P)
 import peers as peer_lib  # noqa: E402
-from interleave import events_ms  # noqa: E402
+from interleave import events_ms, interleaved_rounds  # noqa: E402
 
 D, V = 4096, 151936
 
@@ -182,6 +182,46 @@ def _parts(h, w, t):
             "cublas_z_fp32_pass_ms": _bench(z_fp32_pass)}
 
 
+def _dz_ab(h, w, t, names, rounds=7):
+    """Interleaved rounds (bench/interleave.py) of the dz configurations `names` (SM90Backend.dz_launch): forward +
+    backward and the dz pass over the whole vocabulary (as in _parts) with each, next to cuBLAS's bf16 GEMM of the
+    forward's shape in the same rounds. -> medians in ms and their ratios to the GEMM."""
+    from fused_logp.kernel.backends import device_backend
+    be = device_backend(h.device)
+    if be is None:
+        return {"dz_ab": "sm90 backend unavailable"}
+    n = h.shape[0]
+    c = autograd.CUDA_CHUNK
+    one = torch.ones(n, device="cuda")
+    lse = linear_logp(h.detach(), w.detach(), t).lse
+    dz = torch.zeros(n, -(-c // 8) * 8, dtype=torch.bfloat16, device="cuda")
+
+    def fb():
+        h.grad = w.grad = None
+        linear_logp(h, w, t).logp.sum().backward()
+
+    def dz_pass():
+        for c0 in range(0, V, c):
+            cc = min(c, V - c0)
+            be.backward_dz(h.detach(), w.detach()[c0:c0 + cc], None, one, lse, one, one, t, c0, cc, dz[:, :cc])
+
+    fns = {"gemm": lambda: torch.mm(h.detach(), w.detach().T)}
+    for name in names:
+        fns[f"fb:{name}"] = fb
+        fns[f"dz:{name}"] = dz_pass
+
+    def before(key):
+        be.dz_launch = key.split(":", 1)[1] if ":" in key else "auto"
+
+    try:
+        times = interleaved_rounds(fns, rounds, iters=3, before=before)
+    finally:
+        be.dz_launch = "auto"
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {"dz_ab": {"rounds": rounds, "median_ms": med, "over_gemm": {k: med[k] / med["gemm"] for k in med},
+                      "all_ms": times}}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "backward.json"))
@@ -190,9 +230,12 @@ def main():
                    help="override the CUDA backward's chunk-buffer budget (bytes) to compare chunk sizes")
     p.add_argument("--chunk", type=int, default=None, help="override the CUDA backward's chunk width (columns)")
     p.add_argument("--slice", type=int, default=None, help="override the CUDA backward's dh slice height (rows)")
+    p.add_argument("--dz-launches", default=None,
+                   help="comma-separated dz configurations (kernel/sm90.py DZ_LAUNCHES) to time against each other in "
+                        "interleaved rounds: forward + backward and the dz pass, with the GEMM in the same rounds")
     p.add_argument("--smoke", action="store_true",
-                   help="one small backward (bias, temperature, odd vocabulary, a padded slice) and exit, for "
-                        "compute-sanitizer")
+                   help="one small backward (bias, temperature, odd vocabulary, a padded slice) with each of "
+                        "--dz-launches (default: auto) and exit, for compute-sanitizer")
     args = p.parse_args()
     if args.smoke:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -204,9 +247,14 @@ def main():
         temp = 0.5 + torch.rand(n, device="cuda", generator=g)
         lse = linear_logp(h, w[:real], t, bias=b[:real], temperature=temp).lse
         gl = torch.randn(n, device="cuda", generator=g)
-        dh, dw, db = autograd.logp_grads(h, w, b, t, temp, lse, gl, gl, vocab_start=0, n_real=real, chunk=1000)
-        torch.cuda.synchronize()
-        print("smoke:", float(dh.float().norm()), float(dw.float().norm()), float(db.norm()))
+        from fused_logp.kernel.backends import device_backend
+        be = device_backend(h.device)
+        for name in (args.dz_launches or "auto").split(","):
+            if be is not None:
+                be.dz_launch = name
+            dh, dw, db = autograd.logp_grads(h, w, b, t, temp, lse, gl, gl, vocab_start=0, n_real=real, chunk=1000)
+            torch.cuda.synchronize()
+            print(f"smoke ({name}):", float(dh.float().norm()), float(dw.float().norm()), float(db.norm()))
         return
     if args.chunk_bytes:
         autograd._CUDA_CHUNK_BYTES = args.chunk_bytes
@@ -255,6 +303,8 @@ def main():
         r["target_ms"] = 4.4 * r["gemm_fwd_ms"]
         r["chunk"] = autograd.CUDA_CHUNK
         r.update(_parts(h.detach(), w.detach(), t))
+        if args.dz_launches:
+            r.update(_dz_ab(h, w, t, args.dz_launches.split(",")))
         ref = None
         if any(fn is not None for fn, _ in peers.values()):
             # ours as the reference for the peers' checks: loss = -sum(logp), so its gradients are the ones a
@@ -283,6 +333,9 @@ def main():
             "liger_pipelined_ms", "cce_pipelined_ms")})
         print("       backward passes (ms):", {k: round(r[k], 2) for k in ("dz_pass_ms", "dh_pass_ms", "dw_pass_ms",
                                                                        "cublas_z_fp32_pass_ms") if k in r})
+        if isinstance(r.get("dz_ab"), dict):
+            print("       dz configurations, interleaved (median ms, / GEMM):",
+                  {k: (round(v, 2), round(r["dz_ab"]["over_gemm"][k], 3)) for k, v in r["dz_ab"]["median_ms"].items()})
     for name in peers:
         for r in rows:
             if r[f"{name}_error"] is not None:

@@ -120,14 +120,27 @@ def test_kernel_and_torch_path_agree(monkeypatch):
     _close(a[1], b[1].float(), "dw")
 
 
+@pytest.fixture
+def dz_launch():
+    """Sets the sm90 backend's dz configuration (SM90Backend.dz_launch) for one test, then back to 'auto'."""
+    from fused_logp.kernel.backends import device_backend
+    be = device_backend("cuda")
+
+    def use(name):
+        be.dz_launch = name
+        return be
+    yield use
+    be.dz_launch = "auto"
+
+
+@pytest.mark.parametrize("launch", ["cta-128x256", "pingpong-128x192"])
 @pytest.mark.parametrize("n_cols", [1, 255, 4097])
-def test_dz_kernel_against_float64_formula(n_cols):
+def test_dz_kernel_against_float64_formula(n_cols, launch, dz_launch):
     """backward_dz on one chunk (odd widths, a column offset, bias, per-row temperature, targets inside and
     outside the chunk) against the formula in float64 on the same bf16 inputs: every element of [N, n_cols] is
     written, nothing beyond the row's last 16-byte unit (the output is poisoned first), and each is within 2^-8 relative (bf16 rounding is 2^-9) of the reference,
     plus 2^-30 absolute for elements that round to bf16 subnormals."""
-    from fused_logp.kernel.backends import device_backend
-    ext = device_backend("cuda")
+    ext = dz_launch(launch)
     g = torch.Generator(device="cuda").manual_seed(11)
     n, d, rows, off = 300, 1024, 4160, 70000
     h = torch.randn(n, d, device="cuda", generator=g).bfloat16()
@@ -153,6 +166,68 @@ def test_dz_kernel_against_float64_formula(n_cols):
     untouched = out.view(torch.int16).eq(0x7FC1)
     end = -(-n_cols // 8) * 8                                 # [n_cols, end): scratch of the 16-byte store units
     assert untouched[:, end:].all(), f"wrote at column {end + int((~untouched[:, end:]).any(0).nonzero()[0])}"
+
+
+def _dz_chunk(be, launch, h, w, b, temp, lse, coef, gl, t, off, n_cols):
+    """backward_dz with `launch` into a poisoned buffer with 8 columns beyond the scratch: the whole buffer."""
+    be.dz_launch = launch
+    ld = -(-n_cols // 8) * 8 + 8
+    out = torch.empty(h.shape[0], ld, dtype=torch.bfloat16, device="cuda")
+    out.view(torch.int16).fill_(0x7FC1)                     # bf16 NaN
+    be.backward_dz(h, w, b, temp, lse, coef, gl, t, off, n_cols, out[:, :n_cols])
+    return out
+
+
+@pytest.mark.parametrize("n, n_cols, d, bias", [
+    (1, 64, 256, False), (100, 1000, 512, True), (128, 192, 64, False), (129, 16896, 1024, False),
+    (300, 385, 4096, True), (1000, 16768, 256, True), (2100, 16896, 512, False),
+])
+def test_pingpong_dz_has_the_cta_kernels_bytes(n, n_cols, d, bias, dz_launch):
+    """The ping-pong dz kernel (persistent, each consumer's dz in 64-column slices beside the other's mainloop) writes
+    the same bytes as the CTA kernel, scratch columns included, and nothing beyond them: rows that are not whole
+    128-row tiles, widths that are not whole 192- or 64-column tiles, many tiles a CTA (2100 x 16896: 1496 tiles),
+    bias or none, targets inside, at the edges of and outside the chunk. A row's dz is the same in both because z is
+    the same accumulator and the element-wise arithmetic is the same function (dz_pair)."""
+    be = dz_launch("auto")
+    g = torch.Generator(device="cuda").manual_seed(1000 + n)
+    off = 5000
+    h = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n_cols, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
+    b = torch.randn(n_cols, device="cuda", generator=g) * 0.5 if bias else None
+    t = off + torch.randint(-3, n_cols + 3, (n,), device="cuda", generator=g)
+    t[: min(n, 4)] = torch.tensor([off, off + n_cols - 1, off - 1, off + n_cols], device="cuda")[: min(n, 4)]
+    temp = 0.5 + torch.rand(n, device="cuda", generator=g)
+    lse = 1.0 + torch.randn(n, device="cuda", generator=g)
+    coef, gl = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+    args = (h, w, b, temp, lse, coef, gl, t, off, n_cols)
+    cta = _dz_chunk(be, "cta-128x256", *args)
+    pp = _dz_chunk(be, "pingpong-128x192", *args)
+    end = -(-n_cols // 8) * 8
+    assert not cta[:, :n_cols].isnan().any(), "unwritten elements (CTA kernel)"
+    same = cta.view(torch.int16).eq(pp.view(torch.int16))
+    assert same.all(), f"{int((~same).sum())} elements differ, first at {(~same).nonzero()[0].tolist()}"
+    assert pp.view(torch.int16)[:, end:].eq(0x7FC1).all(), "wrote beyond the row's last 16-byte unit"
+
+
+def test_pingpong_dz_gives_the_same_gradients(dz_launch):
+    """The whole backward (chunks of 16896 columns, the last one narrower, bias, per-row temperature) with either dz
+    configuration: the same bytes of dh, dW and db."""
+    from fused_logp.kernel.autograd import logp_grads
+    g = torch.Generator(device="cuda").manual_seed(14)
+    n, v, d = 700, 40000, 1024
+    h = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(v, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
+    bias = torch.randn(v, device="cuda", generator=g) * 0.1
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    temp = 0.5 + torch.rand(n, device="cuda", generator=g)
+    gl, gs = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+    lse = linear_logp(h, w, t, bias=bias, temperature=temp).lse
+    out = {}
+    for launch in ("cta-128x256", "pingpong-128x192"):
+        dz_launch(launch)
+        out[launch] = logp_grads(h, w, bias, t, temp, lse, gl, gs, vocab_start=0, n_real=v)
+    for a, b, name in zip(out["cta-128x256"], out["pingpong-128x192"], ("dh", "dw", "db")):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
 
 
 def _row_grads(h, w, t, gl, gs):

@@ -474,6 +474,7 @@ def test_launch_names_are_the_extensions(be, cgen):
     from fused_logp.kernel import sm90
     ext = be._module()
     assert list(ext.launch_names()) == list(sm90.LAUNCHES) == list(VARIANTS)
+    assert list(ext.dz_launch_names()) == list(sm90.DZ_LAUNCHES)
     h, w, t, _ = make_inputs(cgen, 3, 64, 128)
     nt = 2
     out = [torch.empty(3, nt, device="cuda"), torch.empty(3, nt, device="cuda"), torch.empty(3, device="cuda")]

@@ -65,18 +65,26 @@ def test_no_fast_math_or_libm_in_kernel_sources():
         for bad in ("__expf", "__logf", "expf(", "logf(", "use_fast_math", "fmaf"):
             assert bad not in text, f"{f.name} uses {bad}"
     # The hardware exp2 appears twice: the contract's exp2 (contract_math.cuh, whose exact model the CPU oracles
-    # reproduce) and the backward's logit-gradient epilogue (not contract-bearing), only under the DZ kernels' branch.
+    # reproduce) and the backward's logit-gradient epilogue (not contract-bearing), reached only from the dz kernels:
+    # fused_cta_kernel's DZ branch and pingpong_dz_kernel.
     hits = {f.name: f.read_text().count("\"ex2.approx.ftz.f32") for f in CSRC.glob("*.cu*")}
     assert {k: v for k, v in hits.items() if v} == {"contract_math.cuh": 1, "dz_epilogue.cuh": 1}, hits
     dz = (CSRC / "dz_epilogue.cuh").read_text()
-    assert dz.count("ex2_approx(") == 3          # the definition and the two lanes of wg_dz_epilogue
+    assert dz.count("ex2_approx(") == 3          # the definition and the two lanes of dz_pair
+    assert dz.count("dz_pair(") == 3             # the definition, wg_dz_epilogue's and half_dz_epilogue's calls
     kernels = (CSRC / "fused_kernels.cuh").read_text()
-    assert kernels.count("wg_dz_epilogue<") == 1
+    pingpong = (CSRC / "pingpong_dz_kernel.cuh").read_text()
+    assert kernels.count("wg_dz_epilogue<") == 1 and pingpong.count("half_dz_epilogue<") == 2
     for f in CSRC.glob("*.cu*"):
-        if f.name not in ("dz_epilogue.cuh", "fused_kernels.cuh"):
-            assert "wg_dz_epilogue" not in f.read_text() and "ex2_approx" not in f.read_text(), f.name
+        if f.name not in ("dz_epilogue.cuh", "fused_kernels.cuh", "pingpong_dz_kernel.cuh"):
+            text = f.read_text()
+            assert not any(w in text for w in ("wg_dz_epilogue", "half_dz_epilogue", "dz_pair", "ex2_approx")), f.name
+    assert not any(w in pingpong for w in ("wg_dz_epilogue<", "ex2_approx(", "dz_pair("))
+    assert not any(w in kernels for w in ("half_dz_epilogue<", "ex2_approx(", "dz_pair("))
     branch, call = kernels.index("if constexpr (DZ) {"), kernels.index("wg_dz_epilogue<")
     assert 0 < call - branch < 1000 and "}" not in kernels[branch + len("if constexpr (DZ) {"):call]
+    dz_kernel = pingpong.index("pingpong_dz_kernel(")
+    assert pingpong.index("half_dz_epilogue<") > dz_kernel and "__global__" not in pingpong[dz_kernel:]
     from fused_logp.kernel import sm90
     assert "--use_fast_math" not in sm90.CUDA_FLAGS and not any("ftz" in f for f in sm90.CUDA_FLAGS)
     assert "-gencode=arch=compute_90a,code=sm_90a" in sm90.CUDA_FLAGS
@@ -204,11 +212,12 @@ def test_sm90a_compiles_without_spills(ptxas_reports):
 
 def test_full_k_mainloop_has_no_injected_wgmma_waits(ptxas_reports):
     """The D % 64 == 0 instantiations (FULL_K, the first bool template argument of every CTA kernel: Lb1; the
-    ping-pong kernel, which takes only such D) issue wgmma straight-line: ptxas must not serialise them."""
+    ping-pong kernels, forward and dz, which take only such D) issue wgmma straight-line: ptxas must not serialise
+    them."""
     for src, (rc, text) in ptxas_reports.items():
         for line in text.splitlines():
             if any(code in line for code in ("C7508", "C7510", "C7515", "C7519", "C7520")):
-                assert "pingpong_kernel" not in line, f"{src}: {line}"
+                assert "pingpong" not in line, f"{src}: {line}"
                 first_bool = re.search(r"Lb([01])E", line)
                 assert first_bool is None or first_bool.group(1) == "0", f"{src}: {line}"
 

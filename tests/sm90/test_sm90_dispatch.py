@@ -69,3 +69,46 @@ def test_what_the_pingpong_configuration_does_not_take_is_refused(d, width):
         be._launch_name(256, d, width)
     be.launch = "auto"
     assert be._launch_name(256, d, width) == "cta-128x256"
+
+
+def test_dz_auto_launch_names_a_built_configuration_that_takes_the_shape():
+    for d in (16, 1000, 4000, 4096, 8192):
+        name = sm90.dz_auto_launch(d)
+        assert name in set(sm90.DZ_LAUNCHES) - sm90.DZ_CANDIDATE_LAUNCHES
+        assert name != "pingpong-128x192" or d % 64 == 0
+
+
+def test_the_dz_launch_is_checked_before_the_extension(monkeypatch):
+    """backward_dz's configuration (SM90Backend.dz_launch): an unknown name, a candidate without
+    FUSED_LOGP_CANDIDATE_LAUNCHES=1 and the ping-pong kernel at D % 64 != 0 are refused with the accepted values."""
+    monkeypatch.delenv("FUSED_LOGP_CANDIDATE_LAUNCHES", raising=False)
+    be = sm90.SM90Backend()
+    assert be._dz_launch_name(4096) == "cta-128x256" and be._dz_launch_name(4000) == "cta-128x256"
+    be.dz_launch = "pingpong-64x256"
+    with pytest.raises(ValueError, match=r"dz_launch must be 'auto' or one of \['cta-128x256', 'pingpong-128x192'\], "
+                                         r"got 'pingpong-64x256'"):
+        be._dz_launch_name(4096)
+    be.dz_launch = "pingpong-128x192"
+    assert "pingpong-128x192" in sm90.DZ_CANDIDATE_LAUNCHES
+    with pytest.raises(ValueError, match="dz_launch 'pingpong-128x192' has not passed the GPU test suite yet; set "
+                                         "FUSED_LOGP_CANDIDATE_LAUNCHES=1"):
+        be._dz_launch_name(4096)
+    be.allow_candidates = True
+    assert be._dz_launch_name(4096) == "pingpong-128x192"
+    with pytest.raises(ValueError, match="dz_launch 'pingpong-128x192' takes D a multiple of 64, got D = 4000; use "
+                                         "'auto' or 'cta-128x256'"):
+        be._dz_launch_name(4000)
+    be.dz_launch = "cta-128x256"
+    assert be._dz_launch_name(4000) == "cta-128x256"
+
+
+def test_dz_launch_names_are_the_extension_source():
+    """The extension's dz_launch_names() (sm90_backward.cu) lists sm90.DZ_LAUNCHES, and its backward_dz checks the
+    same names (the GPU suite compares the built extension's list too)."""
+    import re
+    from pathlib import Path
+    src = (Path(sm90.__file__).parent / "csrc" / "sm90_backward.cu").read_text()
+    listed = re.search(r"dz_launch_names\(\) \{ return \{([^}]*)\}; \}", src).group(1)
+    assert [n.strip().strip('"') for n in listed.split(",")] == list(sm90.DZ_LAUNCHES)
+    for name in sm90.DZ_LAUNCHES:
+        assert f'launch == "{name}"' in src

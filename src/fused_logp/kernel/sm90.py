@@ -69,6 +69,21 @@ SMALL_ODD_MAX = 320
 PINGPONG_ROWS = (65, 4096)
 
 
+# Launch configurations of the backward's dz kernel (backward_dz; the extension's dz_launch_names(), a test checks
+# that the two lists agree): cta-128x256, the CTA kernel with the dz after its mainloop (fused_kernels.cuh), and
+# pingpong-128x192, the persistent ping-pong kernel with one consumer's dz beside the other's mainloop
+# (pingpong_kernel.cuh pingpong_dz_kernel; D a multiple of 64). The same bytes: the same accumulators and the same
+# element-wise arithmetic. "auto" (dz_auto_launch) is one of them.
+DZ_LAUNCHES = ("cta-128x256", "pingpong-128x192")
+# dz configurations that have not yet passed `make test-gpu` on an H200 (refused as CANDIDATE_LAUNCHES are).
+DZ_CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192"})
+
+
+def dz_auto_launch(d: int) -> str:
+    """The dz configuration "auto" runs for D = d: the CTA kernel (the ping-pong one is a candidate)."""
+    return "cta-128x256"
+
+
 def auto_launch(n_rows: int, d: int, width: int) -> str:
     """The configuration "auto" runs for a call of n_rows rows, D = d and a vocabulary (shard) width `width`
     (figures in docs/design/sm90-kernel.md): 64x256 CTAs where the 128-row tiles would leave half of their last tile
@@ -158,7 +173,9 @@ class SM90Backend:
     def __init__(self):
         # Launch configuration, a free axis (a name of LAUNCHES); tests set it to prove that it changes no bit.
         self.launch = "auto"
-        # Whether a call may name a configuration of CANDIDATE_LAUNCHES.
+        # The backward's dz kernel, a free axis too (a name of DZ_LAUNCHES).
+        self.dz_launch = "auto"
+        # Whether a call may name a configuration of CANDIDATE_LAUNCHES or DZ_CANDIDATE_LAUNCHES.
         self.allow_candidates = os.environ.get("FUSED_LOGP_CANDIDATE_LAUNCHES") == "1"
         # Benchmarks only: run the mainloop without the statistics (the outputs are then meaningless).
         self.mainloop_only = False
@@ -231,6 +248,18 @@ class SM90Backend:
             others = [c for c in LAUNCHES if c not in _MULTIPLE_OF_64]
             raise ValueError(f"launch {name!r} takes D and the vocabulary width in multiples of 64, got D = {d} and "
                              f"width {n_real}; use 'auto' or one of {others}")
+        return name
+
+    def _dz_launch_name(self, d: int) -> str:
+        name = dz_auto_launch(d) if self.dz_launch == "auto" else self.dz_launch
+        if name not in DZ_LAUNCHES:
+            raise ValueError(f"dz_launch must be 'auto' or one of {list(DZ_LAUNCHES)}, got {self.dz_launch!r}")
+        if name in DZ_CANDIDATE_LAUNCHES and not self.allow_candidates:
+            raise ValueError(f"dz_launch {name!r} has not passed the GPU test suite yet; set "
+                             "FUSED_LOGP_CANDIDATE_LAUNCHES=1 to run it, or use 'auto'")
+        if name == "pingpong-128x192" and d % 64:
+            raise ValueError(f"dz_launch 'pingpong-128x192' takes D a multiple of 64, got D = {d}; use 'auto' or "
+                             "'cta-128x256'")
         return name
 
     # -- entries ----------------------------------------------------------------------------------------------

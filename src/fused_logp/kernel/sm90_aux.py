@@ -45,9 +45,11 @@ class SM90Aux:
 
     def backward_dz(self, hidden, weight, bias, temperature, lse, coef, g_logp, targets, vocab_start, n_cols, out):
         """The contract GEMM of a vocabulary chunk with the logit gradient as its epilogue: out [rows, n_cols]
-        bf16 = (coef * exp(z/T - lse) + g_logp [target]) / T (kernel/autograd.py)."""
-        self._backend._module().backward_dz(hidden, weight, bias, temperature, lse, coef, g_logp, targets,
-                                            int(vocab_start), int(n_cols), out)
+        bf16 = (coef * exp(z/T - lse) + g_logp [target]) / T (kernel/autograd.py), with the backend's dz_launch."""
+        be = self._backend
+        launch = be._dz_launch_name(hidden.shape[1])
+        be._module().backward_dz(hidden, weight, bias, temperature, lse, coef, g_logp, targets, int(vocab_start),
+                                 int(n_cols), out, launch)
 
     def fingerprint_rows(self, words, multipliers, first_row, golden0, golden1) -> torch.Tensor:
         """Per-row fingerprint hashes [rows, 2] int64 of words [rows, D/4] int64 (shared_contract/fingerprint.py)."""

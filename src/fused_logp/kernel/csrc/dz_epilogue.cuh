@@ -1,5 +1,7 @@
 // The backward's epilogue: the bf16 logit gradient dz of a 64 x WGN warpgroup tile, from the accumulators of the
-// recompute GEMM, staged in shared memory and stored with TMA (sm90_backward.cu).
+// recompute GEMM, staged in shared memory and stored with TMA (sm90_backward.cu): the whole tile at once
+// (wg_dz_epilogue, the CTA kernel) or one 64-column slice at a time through one 8 KB buffer (half_dz_epilogue, the
+// ping-pong kernel).
 #pragma once
 #include <cuda_bf16.h>
 #include "fused_params.cuh"
@@ -40,6 +42,17 @@ __device__ __forceinline__ float ex2_approx(float x) {
   return y;
 }
 
+// The dz of the pair of columns c, c + 1 of the thread's row h (logits z0, z1, bias added), rounded to bf16; t: the
+// row's target column (on the same origin as c; outside the pair: no target here).
+__device__ __forceinline__ __nv_bfloat162 dz_pair(float z0, float z1, const DzRows& r, int h, int t, int c) {
+  const float p0 = ex2_approx(__fsub_rn(__fmul_rn(z0, r.a[h]), r.b[h]));
+  const float p1 = ex2_approx(__fsub_rn(__fmul_rn(z1, r.a[h]), r.b[h]));
+  float d0 = __fmul_rn(r.cs[h], p0), d1 = __fmul_rn(r.cs[h], p1);
+  if (t == c) d0 = __fadd_rn(d0, r.gt[h]);
+  if (t == c + 1) d1 = __fadd_rn(d1, r.gt[h]);
+  return __floats2bfloat162_rn(d0, d1);
+}
+
 // Backward epilogue of one warpgroup tile (rows [row0, +64), columns [col0, +WGN)): every element's dz from
 // registers (accumulator layout as in wg_epilogue) as bf16 into `stage`, WGN/64 sub-tiles of 64 x 64 in the
 // 128-byte swizzle of map_o (conflict-free: the 8 rows of a store instruction hit 8 different 16-byte chunks), then
@@ -66,13 +79,8 @@ __device__ __forceinline__ void wg_dz_epilogue(const float (&acc)[WGN / 2], cons
         if (col < p.n_real) z0 = __fadd_rn(z0, p.bias[col]);
         if (col + 1 < p.n_real) z1 = __fadd_rn(z1, p.bias[col + 1]);
       }
-      const float p0 = ex2_approx(__fsub_rn(__fmul_rn(z0, r.a[h]), r.b[h]));
-      const float p1 = ex2_approx(__fsub_rn(__fmul_rn(z1, r.a[h]), r.b[h]));
-      float d0 = __fmul_rn(r.cs[h], p0), d1 = __fmul_rn(r.cs[h], p1);
-      if (t == c) d0 = __fadd_rn(d0, r.gt[h]);
-      if (t == c + 1) d1 = __fadd_rn(d1, r.gt[h]);
       *reinterpret_cast<__nv_bfloat162*>(row_base + (j / 8) * 8192 + (((j % 8) ^ sw) * 16)) =
-          __floats2bfloat162_rn(d0, d1);
+          dz_pair(z0, z1, r, h, t, c);
     }
   }
   fence_proxy_async_shared();   // the writes above, to the TMA (async) proxy
@@ -83,6 +91,55 @@ __device__ __forceinline__ void wg_dz_epilogue(const float (&acc)[WGN / 2], cons
       if (col0 + 64 * k < p.n_real) tma_store_2d(map_o, stage + k * 8192, col0 + 64 * k, row0);
     bulk_commit_group();
     bulk_wait_group_read_all();   // shared memory is read before the CTA exits
+  }
+}
+
+// Backward epilogue of a 64-row half of a ping-pong tile (rows [row0, +64), columns [n0, +BN)) whose accumulators
+// are BN / 64 slices of 64 columns in the register layout of a 64 x 64 warpgroup tile (acc[32 k .. 32 k + 32):
+// columns [64 k, +64)). Each slice's dz goes into `stage` (one 64 x 64 bf16 sub-tile, 8 KB, in map_o's 128-byte
+// swizzle, as in wg_dz_epilogue) by 4-byte shared stores at shared-window addresses, and one thread stores it by TMA
+// (clipping rows >= N and columns >= n_real). Every thread may overwrite `stage` once it has passed barrier bar_id
+// at the start of the slice: the thread that stored the previous slice reaches it after that store has read
+// `stage`. The target column is kept relative to n0 as an int. A half whose rows all lie beyond N does nothing.
+template <int BN>
+__device__ __forceinline__ void half_dz_epilogue(const float (&acc)[BN / 2], const FusedParams& p, int row0, int n0,
+                                                 uint8_t* stage, const CUtensorMap* map_o, int bar_id) {
+  if (row0 >= p.n_rows) return;   // the whole warpgroup: row0 is the warpgroup's
+  const DzRows r = load_dz_rows(p, thread_row_base(row0));
+  const int tid = threadIdx.x % 128;
+  const int q = tid % 4;
+  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;     // tile row of h = 0; h = 1 is r0 + 8 (same row % 8)
+  int t[2];                                            // target column - n0, in [-1, BN]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const long long tl = r.tcol[h] - n0;
+    t[h] = tl < 0 ? -1 : (tl > BN ? BN : static_cast<int>(tl));
+  }
+  const uint32_t base = smem_u32(stage) + r0 * 128 + 4 * q;
+#pragma unroll
+  for (int k = 0; k < BN / kTile; ++k) {
+    named_bar_sync<128>(bar_id);   // `stage` has been read by the previous slice's store
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < kTile / 8; ++j) {
+        const int c = kTile * k + 8 * j + 2 * q;       // column - n0
+        float z0 = acc[(kTile / 2) * k + 4 * j + 2 * h], z1 = acc[(kTile / 2) * k + 4 * j + 2 * h + 1];
+        if (p.bias != nullptr) {
+          if (n0 + c < p.n_real) z0 = __fadd_rn(z0, p.bias[n0 + c]);
+          if (n0 + c + 1 < p.n_real) z1 = __fadd_rn(z1, p.bias[n0 + c + 1]);
+        }
+        const __nv_bfloat162 d = dz_pair(z0, z1, r, h, t[h], c);
+        st_shared_b32(base + h * 8 * 128 + ((j ^ (r0 % 8)) * 16), *reinterpret_cast<const uint32_t*>(&d));
+      }
+    }
+    fence_proxy_async_shared();   // the writes above, to the TMA (async) proxy
+    named_bar_sync<128>(bar_id);
+    if (tid == 0) {
+      if (n0 + kTile * k < p.n_real) tma_store_2d(map_o, stage, n0 + kTile * k, row0);
+      bulk_commit_group();
+      bulk_wait_group_read_all();   // `stage` is read before the next slice (and before the CTA exits)
+    }
   }
 }
 

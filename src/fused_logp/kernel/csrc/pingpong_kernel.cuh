@@ -139,17 +139,16 @@ __device__ __forceinline__ void release_stage(uint64_t* empty_s) {
   }
 }
 
-template <bool LOGITS, int CLUSTER = 1>
-__global__ void __launch_bounds__(kThreads, 1)
-pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
-                const FusedParams p) {
+// The ping-pong schedule of one CTA (the comment at the top): the ring of C::STAGES stages at smem with its barriers
+// full and empty, the producer's loads of every tile of the CTA, and each consumer's mainloops in tile order. After
+// the mainloop of each of its tiles, a consumer warpgroup calls epi(acc0, acc1, m0, n0) with its accumulators of rows
+// m0 + [0, 64) and m0 + 64 + [0, 64), columns n0 + [0, 192), while the other consumer's mainloop runs.
+template <int CLUSTER, class Epilogue>
+__device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                                  const CUtensorMap* map_h, const CUtensorMap* map_w,
+                                                  const FusedParams& p, Epilogue&& epi) {
   using C = PingPongCfg;
   static_assert(CLUSTER == 1 || CLUSTER == 2, "clusters of one or two CTAs");
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::STAGES * C::STAGE_BYTES);
-  uint64_t* empty = full + C::STAGES;
-
   const int wg = threadIdx.x / 128;
 
   init_ring<C::STAGES>(full, empty, CLUSTER);     // each stage is read by one consumer warpgroup of each CTA
@@ -173,13 +172,13 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
           mbar_wait(&empty[s], ((seq / C::STAGES) & 1) ^ 1);
           uint8_t* a = smem + s * C::STAGE_BYTES;
           mbar_expect_tx(&full[s], C::STAGE_BYTES);
-          tma_load_2d(a, &map_h, &full[s], kb * kBK, mt * C::BM);
+          tma_load_2d(a, map_h, &full[s], kb * kBK, mt * C::BM);
           if constexpr (CLUSTER > 1)
-            tma_load_2d_multicast(a + C::A_BYTES + cluster_rank<CLUSTER>() * (C::B_BYTES / CLUSTER), &map_w,
+            tma_load_2d_multicast(a + C::A_BYTES + cluster_rank<CLUSTER>() * (C::B_BYTES / CLUSTER), map_w,
                                   &full[s], kb * kBK, ntile * C::BN + cluster_rank<CLUSTER>() * (C::BN / CLUSTER),
                                   (1u << CLUSTER) - 1);
           else
-            tma_load_2d(a + C::A_BYTES, &map_w, &full[s], kb * kBK, ntile * C::BN);
+            tma_load_2d(a + C::A_BYTES, map_w, &full[s], kb * kBK, ntile * C::BN);
         }
       }
     }
@@ -245,15 +244,31 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
     // the next unit's mainloop may begin
     if (u + unit_stride<CLUSTER>() < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
 
-    if (p.skip_epilogue) {   // timing hook: the mainloop alone
-      store_mainloop_sums(acc0, acc1, p, m0, n0, true);
-      continue;
-    }
-    // (a half whose rows are all beyond n_rows computes nothing: wg_reg_stats returns at once)
-    half_epilogue<LOGITS>(acc0, p, m0, n0);
-    half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
+    epi(acc0, acc1, m0, n0);
   }
   if constexpr (CLUSTER > 1) cluster_sync();
+}
+
+// The forward: statistics (and, LOGITS, the logits) of each tile, a 64-row half at a time.
+template <bool LOGITS, int CLUSTER = 1>
+__global__ void __launch_bounds__(kThreads, 1)
+pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
+                const FusedParams p) {
+  using C = PingPongCfg;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::STAGES * C::STAGE_BYTES);
+  pingpong_schedule<CLUSTER>(smem, full, full + C::STAGES, &map_h, &map_w, p,
+                             [&](float(&acc0)[C::HALF_ACC], float(&acc1)[C::HALF_ACC], int m0, int n0) {
+                               if (p.skip_epilogue) {   // timing hook: the mainloop alone
+                                 store_mainloop_sums(acc0, acc1, p, m0, n0, true);
+                                 return;
+                               }
+                               // (a half whose rows are all beyond n_rows computes nothing: wg_reg_stats returns
+                               // at once)
+                               half_epilogue<LOGITS>(acc0, p, m0, n0);
+                               half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
+                             });
 }
 
 }  // namespace sm90

@@ -8,7 +8,12 @@
 //   dz  = (coef * exp(z / T - lse) + g_logp [col_offset + c == target]) / T      coef = g_lse - g_logp
 // rounded once to bf16 into out [N, C] (the operand of dh = dz W_c and dW_c = dz^T h, FP32 accumulation) through
 // shared memory and TMA stores; the FP32 logits chunk is never written. The scaling and exp are the fast forms (dz_epilogue.cuh, DzRows).
+// Two launches compute it (free axes: schedule and tile; the same accumulators and the same element-wise
+// arithmetic, so the same bytes): cta-128x256 (fused_cta_kernel, one CTA a tile, the dz after its mainloop) and
+// pingpong-128x192 (pingpong_dz_kernel.cuh: persistent, one consumer warpgroup's dz beside the other's mainloop; D a
+// multiple of 64).
 #include "launch.cuh"
+#include "pingpong_dz_kernel.cuh"
 
 namespace sm90 {
 
@@ -32,6 +37,28 @@ void launch_dz(const torch::Tensor& hidden, const torch::Tensor& weight, const t
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The persistent ping-pong kernel, 128x192 consumer tiles, with the dz epilogue (pingpong_dz_kernel.cuh): D a multiple
+// of 64 (every stage holds 4 k16 groups); any n_cols (the TMA store clips the columns beyond it, the bias is read
+// lane by lane).
+void launch_dz_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& out,
+                        const FusedParams& p, cudaStream_t stream) {
+  using C = PingPongCfg;
+  TORCH_CHECK(p.d % kBK == 0, "sm90 backward: launch pingpong-128x192 takes D a multiple of 64, got D = ", num(p.d));
+  FusedParams q = p;
+  q.num_m = (p.n_rows + C::BM - 1) / C::BM;
+  q.num_n = (p.n_real + C::BN - 1) / C::BN;
+  const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
+  TORCH_CHECK(tiles < (1LL << 31), "sm90 backward: grid too large");
+  const CUtensorMap mh = make_map(hidden, C::BM);
+  const CUtensorMap mw = make_map(weight, C::BN);
+  const CUtensorMap mo = make_map(out.as_strided({out.size(0), (out.size(1) + 7) / 8 * 8}, {out.stride(0), 1}), 64);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(pingpong_dz_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kPingPongDzSmem));
+  const unsigned grid = static_cast<unsigned>(std::min<long long>(tiles, sm_count()));
+  pingpong_dz_kernel<<<grid, kThreads, kPingPongDzSmem, stream>>>(mh, mw, mo, q);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void check_vec(const torch::Tensor& t, const char* name, long long n) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n,
               "sm90 backward: ", name, " must be a contiguous CUDA float32 [", num(n), "] tensor");
@@ -43,10 +70,15 @@ void check_vec(const torch::Tensor& t, const char* name, long long n) {
 // (vocabulary ids); col_offset = vocabulary id of weight row 0; out [N, n_cols] bf16 with unit column stride and
 // a row stride that is a multiple of 8 elements and a 16-byte aligned start (the TMA store's requirements).
 // Columns [n_cols, n_cols rounded up to 8) of each row are scratch: they are overwritten (the store covers whole
-// 16-byte units); nothing at or beyond that is written.
+// 16-byte units); nothing at or beyond that is written. launch: one of dz_launch_names().
+std::vector<std::string> dz_launch_names() { return {"cta-128x256", "pingpong-128x192"}; }
+
 void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                  torch::Tensor temperature, torch::Tensor lse, torch::Tensor coef, torch::Tensor g_logp,
-                 torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out) {
+                 torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out,
+                 const std::string& launch) {
+  TORCH_CHECK(launch == "cta-128x256" || launch == "pingpong-128x192",
+              "sm90 backward: launch must be one of cta-128x256, pingpong-128x192; got '", launch, "'");
   FusedParams p = entry_params("sm90 backward", "n_cols", hidden, weight, targets, temperature, bias, col_offset,
                                n_cols);
   const long long n = hidden.size(0);
@@ -63,7 +95,10 @@ void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch
   p.g_logp = g_logp.data_ptr<float>();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(hidden.device());
-  launch_dz(hidden, weight, out, p, c10::cuda::getCurrentCUDAStream());
+  if (launch == "pingpong-128x192")
+    launch_dz_pingpong(hidden, weight, out, p, c10::cuda::getCurrentCUDAStream());
+  else
+    launch_dz(hidden, weight, out, p, c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace sm90

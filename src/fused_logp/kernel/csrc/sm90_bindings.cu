@@ -28,7 +28,9 @@ torch::Tensor ex2_selftest(torch::Tensor table);
 // sm90_backward.cu
 void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                  torch::Tensor temperature, torch::Tensor lse, torch::Tensor coef, torch::Tensor g_logp,
-                 torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out);
+                 torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out,
+                 const std::string& launch);
+std::vector<std::string> dz_launch_names();
 // sm90_transforms.cu
 torch::Tensor topp_crossing(torch::Tensor q, double p);
 // sm90_fingerprint.cu
@@ -46,7 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract_constants", &sm90::contract_constants, "compiled contract constants");
   m.def("ex2log", &sm90::ex2log, "the contract's exp2/log on the device (test hook)");
   m.def("ex2_selftest", &sm90::ex2_selftest, "this device's ex2.approx.ftz.f32 against the model over its domain");
-  m.def("backward_dz", &sm90::backward_dz, "backward: recompute GEMM of one vocabulary chunk with the bf16 logit gradient as its epilogue");
+  m.def("backward_dz", &sm90::backward_dz, "backward: recompute GEMM of one vocabulary chunk with the bf16 logit gradient as its epilogue, launch configuration by name");
+  m.def("dz_launch_names", &sm90::dz_launch_names, "backward_dz's launch configurations");
   m.def("fingerprint_rows", &sm90::fingerprint_rows, "lm_head fingerprint: [V, 2] row hashes");
   m.def("topp_crossing", &sm90::topp_crossing, "top-p: first sequential binary32 prefix sum >= p per row");
 }
