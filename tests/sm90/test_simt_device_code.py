@@ -1,6 +1,7 @@
 """The SM90 kernels' device code, run on the CPU (tests/sm90/simt): the forward statistics epilogue of every launch
-configuration and the row merge, compiled from kernel/csrc with g++ under a SIMT emulation of one thread block,
-against the numpy oracle byte for byte.
+configuration, the backward's dz epilogue of both dz configurations and the row merge, compiled from kernel/csrc with
+g++ under a SIMT emulation of one thread block, against the numpy oracle (the dz: its formula in binary32) byte for
+byte.
 
 What this covers that no CPU test did before: the accumulator register layout of each consumer tile (which
 thread's register holds which logit), the tree levels mapped onto lanes and xor-shuffles, the warp votes (T = 1,
@@ -51,6 +52,9 @@ def lib(tmp_path_factory):
     h.simt_row_lse.argtypes = [ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, _P]
     h.simt_row_lse.restype = ctypes.c_int
     h.simt_logits_stats.argtypes = [_P, ctypes.c_longlong, _P, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P]
+    h.simt_backward_dz.argtypes = [ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [_P] * 7 + \
+        [ctypes.c_longlong, ctypes.c_longlong]
+    h.simt_backward_dz.restype = ctypes.c_int
     h.simt_ex2.argtypes = [ctypes.c_float]
     h.simt_ex2.restype = ctypes.c_float
     table = np.ascontiguousarray(ex2_table.table_bits())
@@ -196,6 +200,88 @@ def test_swapped_operand_row_tiles(lib, n, v):
     assert same_bytes(out, zb)
     for name, g, w in zip(("tile_max", "tile_sum", "target_logit"), (tmax, tsum, tl), (etmax, etsum, etl)):
         assert same_bytes(g, w), name
+
+
+DZ_CONFIGS = {"cta-128x256": 0, "pingpong-128x192": 1}     # backward_dz's configurations (kernel/sm90.py DZ_LAUNCHES)
+BF16_POISON = np.uint16(0x7FC1)
+LOG2E = np.float32(1.4426950408889634)
+
+
+def dz_inputs(rng, n, v, off, bias):
+    """Logits, the row inputs of the dz (lse above every scaled logit of the row, so that every exp2 argument is
+    negative, as with a row's real lse), targets inside, at both edges of and outside the chunk [off, off + v)."""
+    z = (rng.standard_normal((n, v)) * 3).astype(np.float32)
+    b = rng.standard_normal(v).astype(np.float32) if bias else None
+    temp = temperatures(rng, n, "mixed")
+    zb = z if b is None else (z + b[None, :]).astype(np.float32)
+    lse = (np.maximum(zb.max(axis=1), 0) / temp + 0.5 + rng.uniform(0, 2, n)).astype(np.float32)
+    coef = rng.standard_normal(n).astype(np.float32)
+    gl = rng.standard_normal(n).astype(np.float32)
+    t = off + rng.integers(-3, v + 3, n)
+    t[: min(n, 4)] = np.array([off, off + v - 1, off - 1, off + v])[: min(n, 4)]
+    return z, b, temp, lse, coef, gl, t.astype(np.int64)
+
+
+def expected_dz(z, b, temp, lse, coef, gl, targets, off, width):
+    """dz (dz_epilogue.cuh dz_pair) in numpy binary32 operations, on the columns [0, width) the store writes (beyond
+    the chunk's v columns the accumulator is +0 and no bias is added): x = z a - b with a = rcp(T) log2(e),
+    b = lse log2(e); dz = rcp(T) coef ex2(x) (+ rcp(T) g_logp on the target column), rounded to bf16, ties to even."""
+    n, v = z.shape
+    zz = np.zeros((n, width), np.float32)
+    zz[:, :v] = z if b is None else z + b[None, :]
+    rt = (np.float32(1) / temp).astype(np.float32)
+    a, bb = rt * LOG2E, lse * LOG2E
+    cs, gt = coef * rt, gl * rt
+    d = cs[:, None] * contract_ex2(zz * a[:, None] - bb[:, None])
+    col = targets - off
+    own = np.nonzero((col >= 0) & (col < width))[0]
+    d[own, col[own]] += gt[own]
+    bits = d.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def run_dz(lib, config, z, b, temp, lse, coef, gl, targets, off, width):
+    n, v = z.shape
+    out = np.full((n, width + 8), BF16_POISON, np.uint16)
+    rc = lib.simt_backward_dz(DZ_CONFIGS[config], ptr(z), n, v, off, ptr(targets), ptr(temp), ptr(b), ptr(lse),
+                              ptr(coef), ptr(gl), out.ctypes.data_as(_P), width + 8, width)
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("config", list(DZ_CONFIGS))
+@pytest.mark.parametrize("n,v,bias", [(70, 704, False), (1, 320, True), (130, 653, True), (17, 300, False),
+                                      (200, 385, True), (129, 192, False), (64, 64, True)])
+def test_backward_dz_equals_the_formula(lib, config, n, v, bias):
+    """The dz epilogues (the CTA kernel's whole warpgroup tile, the ping-pong kernel's 64-column slices through one
+    buffer) on accumulators in the wgmma layout, through their shared-memory staging in the 128-byte swizzle and the
+    TMA store's box and clip (simt.h's model of both): every element of [N, width) (width = v rounded up to 8, the
+    scratch columns included) equals the formula in binary32, bf16 bit for bit, and nothing beyond width is written.
+    Widths that are not whole 64-, 192- or 256-column tiles, rows that are not whole 64- or 128-row tiles, bias or
+    none, targets inside, at the edges of and outside the chunk."""
+    rng = np.random.default_rng([n, v, len(config), int(bias)])
+    off = 5000
+    z, b, temp, lse, coef, gl, t = dz_inputs(rng, n, v, off, bias)
+    width = -(-v // 8) * 8
+    out = run_dz(lib, config, z, b, temp, lse, coef, gl, t, off, width)
+    want = expected_dz(z, b, temp, lse, coef, gl, t, off, width)
+    diff = np.argwhere(out[:, :width] != want)
+    assert diff.size == 0, f"{config}: {len(diff)} elements differ, first at {diff[0].tolist()}"
+    assert (out[:, width:] == BF16_POISON).all(), f"{config} wrote beyond the store's width"
+
+
+@pytest.mark.parametrize("config", list(DZ_CONFIGS))
+def test_a_dz_layout_error_is_caught(lib, config):
+    """The negative control of the dz: accumulators placed with each thread's two rows exchanged give other bytes."""
+    rng = np.random.default_rng(17)
+    n, v, off = 70, 704, 0
+    z, b, temp, lse, coef, gl, t = dz_inputs(rng, n, v, off, True)
+    lib.simt_set_mislaid(1)
+    try:
+        out = run_dz(lib, config, z, b, temp, lse, coef, gl, t, off, v)
+    finally:
+        lib.simt_set_mislaid(0)
+    assert (out[:, :v] != expected_dz(z, b, temp, lse, coef, gl, t, off, v)).any()
 
 
 @pytest.mark.parametrize("threads", [64, 256])

@@ -1,10 +1,11 @@
 // Entry points (C ABI, for ctypes) that run the SM90 kernels' device functions under the SIMT emulation of simt.h:
-// the forward statistics epilogue of every configuration from accumulators placed in the wgmma register layout,
-// and the row merge. tests/sm90/test_simt_device_code.py builds this file with g++ and checks the bytes against
+// the forward statistics epilogue of every configuration and the backward's dz epilogue of both dz configurations
+// from accumulators placed in the wgmma register layout, and the row merge. tests/sm90/test_simt_device_code.py builds this file with g++ and checks the bytes against
 // the numpy oracle.
 #define FUSED_LOGP_SIMT 1
 #include "simt.h"
 
+#include "dz_epilogue.cuh"
 #include "logits_stats.cuh"
 #include "pingpong_kernel.cuh"
 #include "row_merge.cuh"
@@ -143,6 +144,39 @@ void swap_launch(const float* z, const FusedParams& p) {
   }
 }
 
+// The backward's dz (dz_epilogue.cuh) of z [n_rows, n_real] into out through a tensor map of `width` columns (the
+// TMA store's clip), from accumulators in the wgmma layout (+0 beyond z, as the zero-filled TMA tiles give): the CTA
+// kernel's (cta-128x256: wg_dz_epilogue<256> per 64 x 256 warpgroup tile, its rows' factors loaded first) or the
+// ping-pong kernel's (pingpong-128x192: half_dz_epilogue<192> for each 64-row half of a 128 x 192 tile, one 8 KB
+// buffer reused slice by slice). The staging buffer is the shared window.
+alignas(1024) uint8_t g_stage[4 * 8192];
+
+void dz_tiles(int config, const float* z, const FusedParams& p, const CUtensorMap* map) {
+  simt::shared_base = g_stage;
+  simt::Block block(128);
+  if (config == 0) {
+    for (int row0 = 0; row0 < p.n_rows; row0 += 64)
+      for (int col0 = 0; col0 < p.n_real; col0 += 256)
+        block.run([&](unsigned t) {
+          float acc[128];
+          place(acc, 256, t, z, p.n_rows, p.n_real, row0, col0);
+          const sm90::DzRows r = sm90::load_dz_rows(p, sm90::thread_row_base(row0));
+          sm90::wg_dz_epilogue<256>(acc, p, row0, col0, r, g_stage, map, 2);
+        });
+    return;
+  }
+  using C = sm90::PingPongCfg;
+  for (int m0 = 0; m0 < p.n_rows; m0 += C::BM)
+    for (int n0 = 0; n0 < p.n_real; n0 += C::BN)
+      block.run([&](unsigned t) {
+        float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
+        place(acc0, C::BN, t, z, p.n_rows, p.n_real, m0, n0);
+        place(acc1, C::BN, t, z, p.n_rows, p.n_real, m0 + 64, n0);
+        sm90::half_dz_epilogue<C::BN>(acc0, p, m0, n0, g_stage, map, 2);
+        sm90::half_dz_epilogue<C::BN>(acc1, p, m0 + 64, n0, g_stage, map, 2);
+      });
+}
+
 template <int THREADS>
 int row_lse(const float* tile_max, const float* tile_sum, int n_rows, int n_tiles, float* lse) {
   simt::Block block(THREADS);
@@ -208,6 +242,26 @@ int simt_forward_stats(int config, const float* z, int n_rows, int n_real, long 
       return 0;
     default: return -1;
   }
+}
+
+// The backward's dz of z [n_rows, n_real] (fp32 GEMM logits without the bias; weight row 0 is vocabulary id
+// col_offset) into out (bf16 bits, row stride ld elements) through a tensor map `width` columns wide, by dz
+// configuration `config`: 0 cta-128x256, 1 pingpong-128x192. -> 0, or -1 for an unknown configuration.
+int simt_backward_dz(int config, const float* z, int n_rows, int n_real, long long col_offset, const int64_t* targets,
+                     const float* temperature, const float* bias, const float* lse, const float* coef,
+                     const float* g_logp, uint16_t* out, long long ld, long long width) {
+  if (config != 0 && config != 1) return -1;
+  FusedParams p = params(n_rows, n_real, col_offset, targets, temperature, bias, nullptr, nullptr, nullptr, nullptr);
+  p.lse = lse;
+  p.coef = coef;
+  p.g_logp = g_logp;
+  CUtensorMap map{};
+  map.opaque[0] = reinterpret_cast<unsigned long long>(out);
+  map.opaque[1] = static_cast<unsigned long long>(ld);
+  map.opaque[2] = static_cast<unsigned long long>(n_rows);
+  map.opaque[3] = static_cast<unsigned long long>(width);
+  dz_tiles(config, z, p, &map);
+  return 0;
 }
 
 // lse [n_rows] of the statistics tile_max, tile_sum [n_rows, n_tiles] (row stride n_tiles) by block_row_lse, one

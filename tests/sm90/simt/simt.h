@@ -2,11 +2,14 @@
 // (ucontext fibers, one per CUDA thread, switched only at warp and block synchronisation points) and the CUDA
 // intrinsics those device functions use, each as the IEEE binary32 operation it is (built with
 // -ffp-contract=off, no fast-math). Two PTX instructions have no C++ spelling: with FUSED_LOGP_SIMT defined,
-// contract_math.cuh and stats_epilogue.cuh call simt::ex2_model (the instruction's exact model, CONTRACT.md
-// section 6, from the shipped table) and simt::max_nan (max.NaN.f32) instead of their inline PTX.
+// contract_math.cuh, stats_epilogue.cuh and dz_epilogue.cuh call simt::ex2_model (the instruction's exact model,
+// CONTRACT.md section 6, from the shipped table) and simt::max_nan (max.NaN.f32) instead of their inline PTX; the
+// dz epilogue's shared-window stores and TMA stores (ptx.cuh) run as simt::st_shared_b32 and
+// simt::tma_store_box_bf16, its proxy fence and bulk-group waits as nothing (the emulated store is complete when it
+// returns).
 //
-// What it runs: __device__ functions (the statistics epilogues, the row merge), never a kernel that uses wgmma,
-// TMA, mbarriers or named barriers; the harness places each thread's accumulators in the wgmma register layout
+// What it runs: __device__ functions (the statistics epilogues, the dz epilogues, the row merge), never a kernel that
+// uses wgmma, TMA loads or mbarriers (a named barrier runs as the block's barrier); the harness places each thread's accumulators in the wgmma register layout
 // itself. Warp-wide operations require all 32 lanes (full mask, as every caller passes); a lane that would wait
 // forever (a barrier some thread never reaches) aborts the run with a message instead of hanging.
 #pragma once
@@ -15,6 +18,8 @@
 #endif
 
 #include <ucontext.h>
+
+#include "cuda.h"
 
 #include <cmath>
 #include <cstdint>
@@ -55,11 +60,20 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
 using std::isfinite;
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
-inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
+// The shared-memory window: smem_u32 (cvta to the shared window) gives the offset of a pointer from
+// simt::shared_base, which the harness points at its staging buffer; the shared-window accesses (ptx.cuh under
+// FUSED_LOGP_SIMT) add it back.
+namespace simt {
+inline uint8_t* shared_base = nullptr;
+}
+inline size_t __cvta_generic_to_shared(const void* p) {
+  return static_cast<size_t>(reinterpret_cast<const uint8_t*>(p) - simt::shared_base);
+}
 template <typename T>
 inline void __stcs(T* p, T v) { *p = v; }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
@@ -90,6 +104,26 @@ inline float ex2_model(float x) {
   const int field = static_cast<int>(entry >> 23);
   return field > static_cast<int>(k) ? __int_as_float(static_cast<int>(entry - (static_cast<uint32_t>(k) << 23)))
                                      : 0.0f;
+}
+
+// st.shared.b32 at a shared-window address.
+inline void st_shared_b32(uint32_t addr, uint32_t v) { std::memcpy(shared_base + addr, &v, 4); }
+
+// A TMA store (cp.async.bulk.tensor.2d.global.shared) of one 64 x 64 bf16 box in the 128-byte swizzle (the 16-byte
+// chunk q of the box's row r lies at chunk q ^ (r % 8) of that row's 128 bytes in shared memory, src 1024-byte
+// aligned), clipped to the tensor. The harness's tensor map holds {data, row stride in elements, rows, columns} in
+// its first four words.
+inline void tma_store_box_bf16(const CUtensorMap* map, const void* src, int col0, int row0) {
+  uint8_t* data = reinterpret_cast<uint8_t*>(map->opaque[0]);
+  const long long ld = static_cast<long long>(map->opaque[1]), rows = static_cast<long long>(map->opaque[2]),
+                  cols = static_cast<long long>(map->opaque[3]);
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < 64; ++c) {
+      const long long row = row0 + r, col = col0 + c;
+      if (row < rows && col < cols)
+        std::memcpy(data + 2 * (row * ld + col), s + 128 * r + 16 * (((2 * c) / 16) ^ (r % 8)) + (2 * c) % 16, 2);
+    }
 }
 
 // max.NaN.f32: a NaN operand gives the canonical NaN 0x7FFFFFFF; max(-0, +0) = +0.

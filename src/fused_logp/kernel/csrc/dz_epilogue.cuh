@@ -37,9 +37,13 @@ __device__ __forceinline__ DzRows load_dz_rows(const FusedParams& p, int row_bas
 }
 
 __device__ __forceinline__ float ex2_approx(float x) {
+#ifdef FUSED_LOGP_SIMT   // the device code run on the CPU (tests/sm90/simt): the instruction's exact model (x <= 0)
+  return simt::ex2_model(x);
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 // The dz of the pair of columns c, c + 1 of the thread's row h (logits z0, z1, bias added), rounded to bf16; t: the

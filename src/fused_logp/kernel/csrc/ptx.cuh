@@ -21,7 +21,11 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, float4 v) {
                : "memory");
 }
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+#ifdef FUSED_LOGP_SIMT   // the device code run on the CPU (tests/sm90/simt): the harness's shared window
+  simt::st_shared_b32(addr, v);
+#else
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+#endif
 }
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   float4 v;
@@ -115,7 +119,9 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta)
 
 // This thread's shared-memory writes so far, ordered before later accesses by the async proxy (TMA, wgmma).
 __device__ __forceinline__ void fence_proxy_async_shared() {
+#ifndef FUSED_LOGP_SIMT   // (tests/sm90/simt: one memory, no proxies)
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 }
 // After mbar_init by one thread, before the barriers are used by other threads or the copy engine.
 __device__ __forceinline__ void mbar_init_fence() {
@@ -171,15 +177,24 @@ __device__ __forceinline__ void load_tile(uint8_t* smem, uint64_t* full, uint64_
 }
 
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int col0, int row0) {
+#ifdef FUSED_LOGP_SIMT   // (tests/sm90/simt: the dz epilogues' 64 x 64 bf16 boxes, copied at once)
+  simt::tma_store_box_bf16(map, src, col0, row0);
+#else
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
                ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(col0), "r"(row0)
                : "memory");
+#endif
 }
 // The bulk stores issued so far by this thread as one group; then wait until every group has read its shared memory.
+#ifdef FUSED_LOGP_SIMT   // (tests/sm90/simt: the emulated store is complete when it returns)
+__device__ __forceinline__ void bulk_commit_group() {}
+__device__ __forceinline__ void bulk_wait_group_read_all() {}
+#else
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_group_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
+#endif
 
 // ---- wgmma -----------------------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
