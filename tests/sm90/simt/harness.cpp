@@ -172,8 +172,8 @@ void dz_tiles(int config, const float* z, const FusedParams& p, const CUtensorMa
         float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
         place(acc0, C::BN, t, z, p.n_rows, p.n_real, m0, n0);
         place(acc1, C::BN, t, z, p.n_rows, p.n_real, m0 + 64, n0);
-        sm90::half_dz_epilogue<C::BN>(acc0, p, m0, n0, g_stage, map, 2);
-        sm90::half_dz_epilogue<C::BN>(acc1, p, m0 + 64, n0, g_stage, map, 2);
+        sm90::half_dz_epilogue<C::BN>(acc0, p, m0, n0, sm90::smem_u32(g_stage), map, 2);
+        sm90::half_dz_epilogue<C::BN>(acc1, p, m0 + 64, n0, sm90::smem_u32(g_stage), map, 2);
       });
 }
 

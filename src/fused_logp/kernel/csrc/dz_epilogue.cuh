@@ -100,14 +100,14 @@ __device__ __forceinline__ void wg_dz_epilogue(const float (&acc)[WGN / 2], cons
 
 // Backward epilogue of a 64-row half of a ping-pong tile (rows [row0, +64), columns [n0, +BN)) whose accumulators
 // are BN / 64 slices of 64 columns in the register layout of a 64 x 64 warpgroup tile (acc[32 k .. 32 k + 32):
-// columns [64 k, +64)). Each slice's dz goes into `stage` (one 64 x 64 bf16 sub-tile, 8 KB, in map_o's 128-byte
-// swizzle, as in wg_dz_epilogue) by 4-byte shared stores at shared-window addresses, and one thread stores it by TMA
+// columns [64 k, +64)). Each slice's dz goes into `stage` (shared-window address of one 64 x 64 bf16 sub-tile, 8 KB,
+// in map_o's 128-byte swizzle, as in wg_dz_epilogue) by 4-byte shared stores, and one thread stores it by TMA
 // (clipping rows >= N and columns >= n_real). Every thread may overwrite `stage` once it has passed barrier bar_id
 // at the start of the slice: the thread that stored the previous slice reaches it after that store has read
 // `stage`. The target column is kept relative to n0 as an int. A half whose rows all lie beyond N does nothing.
 template <int BN>
 __device__ __forceinline__ void half_dz_epilogue(const float (&acc)[BN / 2], const FusedParams& p, int row0, int n0,
-                                                 uint8_t* stage, const CUtensorMap* map_o, int bar_id) {
+                                                 uint32_t stage, const CUtensorMap* map_o, int bar_id) {
   if (row0 >= p.n_rows) return;   // the whole warpgroup: row0 is the warpgroup's
   const DzRows r = load_dz_rows(p, thread_row_base(row0));
   const int tid = threadIdx.x % 128;
@@ -119,7 +119,7 @@ __device__ __forceinline__ void half_dz_epilogue(const float (&acc)[BN / 2], con
     const long long tl = r.tcol[h] - n0;
     t[h] = tl < 0 ? -1 : (tl > BN ? BN : static_cast<int>(tl));
   }
-  const uint32_t base = smem_u32(stage) + r0 * 128 + 4 * q;
+  const uint32_t base = stage + r0 * 128 + 4 * q;
 #pragma unroll
   for (int k = 0; k < BN / kTile; ++k) {
     named_bar_sync<128>(bar_id);   // `stage` has been read by the previous slice's store

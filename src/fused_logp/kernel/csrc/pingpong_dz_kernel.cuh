@@ -28,7 +28,7 @@ pingpong_dz_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_const
   pingpong_schedule<1>(smem, full, full + C::STAGES, &map_h, &map_w, p,
                        [&](float(&acc0)[C::HALF_ACC], float(&acc1)[C::HALF_ACC], int m0, int n0) {
                          const int c = threadIdx.x / 128 - 1;
-                         uint8_t* stage = slices + c * kDzSliceBytes;
+                         const uint32_t stage = smem_u32(slices) + c * kDzSliceBytes;
                          half_dz_epilogue<C::BN>(acc0, p, m0, n0, stage, &map_o, kDzBar + c);
                          half_dz_epilogue<C::BN>(acc1, p, m0 + 64, n0, stage, &map_o, kDzBar + c);
                        });

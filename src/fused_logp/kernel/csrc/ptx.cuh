@@ -176,14 +176,18 @@ __device__ __forceinline__ void load_tile(uint8_t* smem, uint64_t* full, uint64_
   }
 }
 
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int col0, int row0) {
+// The box at shared-window address src to the tensor at (col0, row0).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int col0, int row0) {
 #ifdef FUSED_LOGP_SIMT   // (tests/sm90/simt: the dz epilogues' 64 x 64 bf16 boxes, copied at once)
-  simt::tma_store_box_bf16(map, src, col0, row0);
+  simt::tma_store_box_bf16(map, simt::shared_base + src, col0, row0);
 #else
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
-               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(col0), "r"(row0)
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(col0), "r"(row0)
                : "memory");
 #endif
+}
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int col0, int row0) {
+  tma_store_2d(map, smem_u32(src), col0, row0);
 }
 // The bulk stores issued so far by this thread as one group; then wait until every group has read its shared memory.
 #ifdef FUSED_LOGP_SIMT   // (tests/sm90/simt: the emulated store is complete when it returns)
