@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: cxx-check demo test test-slow test-gpu gpu-candidate bench-gpu test-megatron-gpu megatron-wheels peer-wheels peer-parts \
-	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-sanitizers gpu-sanitizers-run gpu-sanitizers-backward-run gpu-dz-candidate gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe sass-epilogue clean
+	peer-parts-check peer-site bench-fwd-peers gpu-kernel-round gpu-sanitizers gpu-sanitizers-run gpu-sanitizers-backward-run gpu-dz-candidate gpu-dz-ab gpu-kernel-profile gpu-power gpu-ab gpu-racecheck-probe sass-epilogue clean
 
 # The compiled CPU oracle (backend oracle-fast, `fused-logp audit`) is built on first use with the C++ compiler and
 # ninja (a pip dependency); the numpy oracle needs neither.
@@ -199,8 +199,8 @@ gpu-candidate:
 
 # The backward's dz candidate (kernel/sm90.py DZ_CANDIDATE_LAUNCHES: pingpong-128x192) in one call: the build, its GPU
 # tests (tests/backward/test_backward_gpu.py and the extension's names, -k "dz or launch_names"; 300 s), the
-# backward's sanitizer runs with both dz configurations, then the backward benchmark at N = 2048 and 8192 with the
-# two dz configurations in interleaved rounds beside the GEMM (--dz-launches; into $OUT/backward-dz.json and .txt).
+# backward's sanitizer runs with both dz configurations, then gpu-dz-ab. (make test-gpu and make gpu-sanitizers run
+# the same tests and sanitizer runs among the others: after them, gpu-dz-ab alone.)
 gpu-dz-candidate:
 	@mkdir -p $${OUT:-out}
 	@rm -f $${OUT:-out}/sanitizer-findings.txt
@@ -209,10 +209,19 @@ gpu-dz-candidate:
 		tests/sm90/test_sm90.py -k "dz or launch_names" > $${OUT:-out}/tests-dz.txt 2>&1; rc=$$?; \
 		grep -o "test_[a-z_0-9]*\[*[^] ]*\]* [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/tests-dz.txt | tail -30; exit $$rc
 	$(MAKE) --no-print-directory gpu-sanitizers-backward-run
-	$(GPU_ENV) timeout 300 $(PYTHON) -P bench/benchmark_linear_logp_backward.py --n 2048 8192 \
-		--dz-launches cta-128x256,pingpong-128x192 --out $${OUT:-out}/backward-dz.json > $${OUT:-out}/backward-dz.txt 2>&1; \
-		rc=$$?; cat $${OUT:-out}/backward-dz.txt | tail -12; [ $$rc = 0 ] || exit $$rc
+	$(MAKE) --no-print-directory gpu-dz-ab
 	@$(SANITIZER_FINDINGS_FAIL)
+
+# The backward benchmark at DZ_N rows (default 2048 and 8192) with the dz configurations DZ_AB in interleaved rounds
+# beside the GEMM (--dz-launches; into $OUT/backward-dz.json and .txt), the extension built first.
+DZ_N ?= 2048 8192
+DZ_AB ?= cta-128x256,pingpong-128x192
+gpu-dz-ab:
+	@mkdir -p $${OUT:-out}
+	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
+	$(GPU_ENV) timeout 400 $(PYTHON) -P bench/benchmark_linear_logp_backward.py --n $(DZ_N) --dz-launches $(DZ_AB) \
+		--out $${OUT:-out}/backward-dz.json > $${OUT:-out}/backward-dz.txt 2>&1; \
+		rc=$$?; tail -12 $${OUT:-out}/backward-dz.txt; [ $$rc = 0 ] || exit $$rc
 
 # racecheck on the staged-logits handoff's shape alone (tools/racecheck_probe.cu): 128 variants, each with or without
 # one of the kernel's features (setmaxnreg, a producer thread apart before the handoff barrier, the consumers' own
