@@ -1,7 +1,9 @@
 """Forward + backward of linear_logp (grads for hidden and weight) at D=4096, V=151936 against cuBLAS +
 log_softmax, Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy (both reduction="sum"), measured
 in the same run. A peer that is not installed (`make peer-wheels`, then `make bench-gpu`) or that fails is recorded
-in the JSON as a string, not measured. Prints one table and writes JSON (GPU, date, versions) to --out."""
+in the JSON as a string, not measured. --dz-launches: the backward's dz configurations (kernel/sm90.py DZ_LAUNCHES)
+against each other in interleaved rounds, forward + backward and the dz pass, beside the GEMM. Prints one table and
+writes JSON (GPU, date, versions) to --out."""
 from __future__ import annotations
 
 import argparse
