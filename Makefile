@@ -176,9 +176,10 @@ gpu-ab:
 	done
 
 # A candidate configuration's first H200 call (CANDIDATE, kernel/sm90.py CANDIDATE_LAUNCHES; several, comma-separated,
-# run in the same call): the build, a hang guard on its tests (CANDIDATE_TESTS, 150 s), `make test-gpu`, then gpu-ab
-# of CANDIDATE_AB (default: the GEMM and cta-128x256), the candidates and each one's mainloop alone, and each
-# kernel's device time per call (bench/kernel_split.py: the fused kernel and the row merge).
+# run in the same call): the build, a hang guard on its tests (CANDIDATE_TESTS, a -k expression over test_sm90.py and
+# test_backward_gpu.py; 150 s), `make test-gpu`, then gpu-ab of CANDIDATE_AB (default: the GEMM and cta-128x256), the
+# candidates and each one's mainloop alone, and each kernel's device time per call (bench/kernel_split.py: the fused
+# kernel and the row merge).
 # The second call: `make gpu-sanitizers` (every configuration, the candidates included).
 CANDIDATE ?=
 CANDIDATE_TESTS ?= launch_names
@@ -191,7 +192,7 @@ gpu-candidate:
 	@test -n "$(CANDIDATE)" || { echo "make gpu-candidate: name the configuration: CANDIDATE=<name>[,<name>...] (kernel/sm90.py LAUNCHES; its tests: CANDIDATE_TESTS, a pytest -k expression)"; exit 2; }
 	@mkdir -p $${OUT:-out}
 	$(SM90_BUILD) > $${OUT:-out}/build.log 2>&1; rc=$$?; tail -3 $${OUT:-out}/build.log; exit $$rc
-	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -v -x -p no:cacheprovider tests/sm90/test_sm90.py -k "$(CANDIDATE_TESTS)" \
+	$(GPU_ENV) timeout 150 $(PYTHON) -P -m pytest -v -x -p no:cacheprovider tests/sm90/test_sm90.py tests/backward/test_backward_gpu.py -k "$(CANDIDATE_TESTS)" \
 		> $${OUT:-out}/guard.txt 2>&1; rc=$$?; grep -o "test_[a-z_0-9]*\[[^]]*\] [A-Z]*\|[0-9]* passed.*\|[0-9]* failed.*" $${OUT:-out}/guard.txt | tail -12; exit $$rc
 	$(MAKE) --no-print-directory test-gpu > $${OUT:-out}/tests-gpu.txt 2>&1; rc=$$?; tail -2 $${OUT:-out}/tests-gpu.txt; exit $$rc
 	$(MAKE) --no-print-directory gpu-ab AB_LAUNCHES=$(CANDIDATE_AB),$(CANDIDATE),$(CANDIDATE_MAINLOOPS)

@@ -1,6 +1,6 @@
 // racecheck_probe: does compute-sanitizer's racecheck see a named barrier of the whole CTA order a producer
 // warpgroup's shared-memory reads after two consumer warpgroups' writes? The shape of fused_cta_kernel's staged
-// logits handoff (fused_kernels.cuh, kStagedBar), stripped of everything else: 384 threads; warpgroup 0 reads what
+// logits handoff (cta_kernel.cuh, kStagedBar), stripped of everything else: 384 threads; warpgroup 0 reads what
 // warpgroups 1 and 2 wrote, after `bar.sync 4, 384`; the consumers also read each other's part. Variants (argv[1],
 // 0-127), one feature of the kernel a bit: bit 0 the warpgroups' setmaxnreg (producer down to 40 registers,
 // consumers up to 232); bit 1 producer thread 0 alone in a spin loop before the barrier (as it issues the TMA

@@ -72,11 +72,11 @@ def test_no_fast_math_or_libm_in_kernel_sources():
     dz = (CSRC / "dz_epilogue.cuh").read_text()
     assert dz.count("ex2_approx(") == 3          # the definition and the two lanes of dz_pair
     assert dz.count("dz_pair(") == 3             # the definition, wg_dz_epilogue's and half_dz_epilogue's calls
-    kernels = (CSRC / "fused_kernels.cuh").read_text()
+    kernels = (CSRC / "cta_kernel.cuh").read_text()
     pingpong = (CSRC / "pingpong_dz_kernel.cuh").read_text()
     assert kernels.count("wg_dz_epilogue<") == 1 and pingpong.count("half_dz_epilogue<") == 2
     for f in CSRC.glob("*.cu*"):
-        if f.name not in ("dz_epilogue.cuh", "fused_kernels.cuh", "pingpong_dz_kernel.cuh"):
+        if f.name not in ("dz_epilogue.cuh", "cta_kernel.cuh", "pingpong_dz_kernel.cuh"):
             text = f.read_text()
             assert not any(w in text for w in ("wg_dz_epilogue", "half_dz_epilogue", "dz_pair", "ex2_approx")), f.name
     assert not any(w in pingpong for w in ("wg_dz_epilogue<", "ex2_approx(", "dz_pair("))
@@ -112,7 +112,7 @@ def test_named_barriers_of_two_paths_are_the_non_aligned_form():
     assert re.search(r"void named_bar_sync_split\(\) \{\s*asm volatile\(\"barrier\.sync %0, %1;\"", ptx)
     asm_sites = {f.name: len(re.findall(r"\"(?:bar|barrier)\.sync", f.read_text())) for f in CSRC.glob("*.cu*")}
     assert {k: v for k, v in asm_sites.items() if v} == {"ptx.cuh": 3}, asm_sites
-    k = (CSRC / "fused_kernels.cuh").read_text()
+    k = (CSRC / "cta_kernel.cuh").read_text()
     body = k[k.index("fused_cta_kernel("):]
     start = body.index("if (wg == 0) {")
     end = body.index("\n    return;\n  }", start)

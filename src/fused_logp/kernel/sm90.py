@@ -70,7 +70,7 @@ PINGPONG_ROWS = (65, 4096)
 
 
 # Launch configurations of the backward's dz kernel (backward_dz; the extension's dz_launch_names(), a test checks
-# that the two lists agree): cta-128x256, the CTA kernel with the dz after its mainloop (fused_kernels.cuh), and
+# that the two lists agree): cta-128x256, the CTA kernel with the dz after its mainloop (cta_kernel.cuh), and
 # pingpong-128x192, the persistent ping-pong kernel with one consumer's dz beside the other's mainloop
 # (pingpong_kernel.cuh pingpong_dz_kernel; D a multiple of 64). The same bytes: the same accumulators and the same
 # element-wise arithmetic. "auto" (dz_auto_launch) is one of them.

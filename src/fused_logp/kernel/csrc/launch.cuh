@@ -9,7 +9,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
-#include "fused_kernels.cuh"
+#include "cta_kernel.cuh"
 
 namespace sm90 {
 
@@ -89,6 +89,16 @@ inline int sm_count() {
   return n;
 }
 
+// One launch of a GEMM kernel (kThreads threads a CTA; `smem` bytes of dynamic shared memory, whose attribute is set
+// first) on `blocks` CTAs, checked.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kern)(Params...), long long blocks, int smem, cudaStream_t stream, const Args&... args) {
+  TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kern<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The entry checks of a kernel whose consumer warps keep 64-row halves in registers (launch `name`: the ping-pong and
 // the 192-row CTA kernels), and its tile counts: D a multiple of 64 (every stage holds 4 k16 groups), n_real a
 // multiple of 64 (a 64-column slice is all real or all beyond it) and the logits 8-byte aligned (stored as pairs).
@@ -120,12 +130,9 @@ void launch_cta(const torch::Tensor& hidden, const torch::Tensor& weight, const 
   auto kern = full_k ? fused_cta_kernel<WM, WGN, true, false, false> : fused_cta_kernel<WM, WGN, false, false, false>;
   if (logits)
     kern = full_k ? fused_cta_kernel<WM, WGN, true, false, true> : fused_cta_kernel<WM, WGN, false, false, true>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-  const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
-  TORCH_CHECK(blocks < (1LL << 31), "sm90: grid too large");
   q.logits_vec4 = p.logits != nullptr && p.n_real % 4 == 0 && reinterpret_cast<uintptr_t>(p.logits) % 16 == 0;
-  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, mh /*map_o: dz kernels only*/, q);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kern, static_cast<long long>(q.num_m) * q.num_n, C::SMEM, stream, mh, mw,
+                mh /*map_o: dz kernels only*/, q);
 }
 
 extern template void launch_cta<2, 256>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);

@@ -30,11 +30,7 @@ void launch_dz(const torch::Tensor& hidden, const torch::Tensor& weight, const t
   // [N, n_cols rounded up to 8] bf16 (whole 16-byte units per row), 64 x 64 boxes, 128-byte swizzle
   const CUtensorMap mo = make_map(out.as_strided({out.size(0), (out.size(1) + 7) / 8 * 8}, {out.stride(0), 1}), 64);
   auto kern = (p.d % kBK == 0) ? fused_cta_kernel<2, 256, true, true> : fused_cta_kernel<2, 256, false, true>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-  const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
-  TORCH_CHECK(blocks < (1LL << 31), "sm90 backward: grid too large");
-  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, mo, q);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kern, static_cast<long long>(q.num_m) * q.num_n, C::SMEM, stream, mh, mw, mo, q);
 }
 
 // The persistent ping-pong kernel, 128x192 consumer tiles, with the dz epilogue (pingpong_dz_kernel.cuh): D a multiple
@@ -48,15 +44,10 @@ void launch_dz_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight
   q.num_m = (p.n_rows + C::BM - 1) / C::BM;
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
   const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
-  TORCH_CHECK(tiles < (1LL << 31), "sm90 backward: grid too large");
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
   const CUtensorMap mo = make_map(out.as_strided({out.size(0), (out.size(1) + 7) / 8 * 8}, {out.stride(0), 1}), 64);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(pingpong_dz_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kPingPongDzSmem));
-  const unsigned grid = static_cast<unsigned>(std::min<long long>(tiles, sm_count()));
-  pingpong_dz_kernel<<<grid, kThreads, kPingPongDzSmem, stream>>>(mh, mw, mo, q);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(pingpong_dz_kernel, std::min<long long>(tiles, sm_count()), kPingPongDzSmem, stream, mh, mw, mo, q);
 }
 
 void check_vec(const torch::Tensor& t, const char* name, long long n) {

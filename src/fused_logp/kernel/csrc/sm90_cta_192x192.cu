@@ -9,13 +9,10 @@ void launch_tall(const torch::Tensor& hidden, const torch::Tensor& weight, const
                  cudaStream_t stream) {
   using C = TallCfg;
   const FusedParams q = register_tile_params(p, "cta-192x192", C::BM, C::BN);
-  const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
-  auto kern = p.logits != nullptr ? tall_kernel<true> : tall_kernel<false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-  kern<<<static_cast<unsigned>(tiles), kThreads, C::SMEM, stream>>>(mh, mw, q);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(p.logits != nullptr ? tall_kernel<true> : tall_kernel<false>,
+                static_cast<long long>(q.num_m) * q.num_n, C::SMEM, stream, mh, mw, q);
 }
 
 }  // namespace sm90

@@ -12,11 +12,8 @@ void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, c
   const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
-  auto kern = p.logits != nullptr ? pingpong_kernel<true> : pingpong_kernel<false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-  const unsigned grid = static_cast<unsigned>(std::min<long long>(tiles, sm_count()));
-  kern<<<grid, kThreads, C::SMEM, stream>>>(mh, mw, q);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(p.logits != nullptr ? pingpong_kernel<true> : pingpong_kernel<false>,
+                std::min<long long>(tiles, sm_count()), C::SMEM, stream, mh, mw, q);
 }
 
 }  // namespace sm90

@@ -10,13 +10,10 @@ static void launch_swap_rows(const torch::Tensor& hidden, const torch::Tensor& w
                              cudaStream_t stream) {
   using C = SwapCfg<NR>;
   const FusedParams q = register_tile_params(p, "swapab-128", NR, kSwapBV);
-  const long long blocks = static_cast<long long>(q.num_m) * q.num_n;
   const CUtensorMap mh = make_map(hidden, NR);
   const CUtensorMap mw = make_map(weight, kSwapBV);
-  auto kern = p.logits != nullptr ? swap_kernel<NR, true> : swap_kernel<NR, false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-  kern<<<static_cast<unsigned>(blocks), kThreads, C::SMEM, stream>>>(mh, mw, q);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(p.logits != nullptr ? swap_kernel<NR, true> : swap_kernel<NR, false>,
+                static_cast<long long>(q.num_m) * q.num_n, C::SMEM, stream, mh, mw, q);
 }
 
 void launch_swap(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,

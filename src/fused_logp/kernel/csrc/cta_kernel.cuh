@@ -1,5 +1,6 @@
-// The fused GEMM kernels for sm_90a: the contract's logits (section 2 of CONTRACT.md: one FP32 wgmma accumulator,
-// K in ascending k16 groups, no split-K) with the statistics epilogue (forward) or the dz epilogue (backward).
+// The CTA kernel for sm_90a (fused_cta_kernel): the contract's logits (section 2 of CONTRACT.md: one FP32 wgmma
+// accumulator, K in ascending k16 groups, no split-K) with the statistics epilogue (forward) or the dz epilogue
+// (backward).
 //
 // fused_cta_kernel: one CTA per output tile (BM x BN), warp-specialised (one producer warpgroup issuing TMA loads
 // into a ring of shared-memory stages, two consumer warpgroups issuing wgmma on each stage). The statistics epilogue
