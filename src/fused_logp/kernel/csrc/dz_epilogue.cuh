@@ -100,11 +100,13 @@ __device__ __forceinline__ void wg_dz_epilogue(const float (&acc)[WGN / 2], cons
 
 // Backward epilogue of a 64-row half of a ping-pong tile (rows [row0, +64), columns [n0, +BN)) whose accumulators
 // are BN / 64 slices of 64 columns in the register layout of a 64 x 64 warpgroup tile (acc[32 k .. 32 k + 32):
-// columns [64 k, +64)). Each slice's dz goes into `stage` (shared-window address of one 64 x 64 bf16 sub-tile, 8 KB,
-// in map_o's 128-byte swizzle, as in wg_dz_epilogue) by 4-byte shared stores, and one thread stores it by TMA
-// (clipping rows >= N and columns >= n_real). Every thread may overwrite `stage` once it has passed barrier bar_id
-// at the start of the slice: the thread that stored the previous slice reaches it after that store has read
-// `stage`. The target column is kept relative to n0 as an int. A half whose rows all lie beyond N does nothing.
+// columns [64 k, +64)). Each slice's dz is computed into registers (16 bf16 pairs a thread), then written into
+// `stage` (shared-window address of one 64 x 64 bf16 sub-tile, 8 KB, in map_o's 128-byte swizzle, as in
+// wg_dz_epilogue) by 4-byte shared stores, and one thread (the warpgroup's first) stores it by TMA (clipping rows >= N
+// and columns >= n_real). `stage` is rewritten only after barrier bar_id at the start of the slice, which that thread
+// reaches once the previous slice's store has read `stage`: the slice's arithmetic runs while that store reads. Its
+// last store's read is waited for by the caller before the CTA exits (bulk_wait_group_read_all). The target column is
+// kept relative to n0 as an int. A half whose rows all lie beyond N does nothing.
 template <int BN>
 __device__ __forceinline__ void half_dz_epilogue(const float (&acc)[BN / 2], const FusedParams& p, int row0, int n0,
                                                  uint32_t stage, const CUtensorMap* map_o, int bar_id) {
@@ -122,7 +124,7 @@ __device__ __forceinline__ void half_dz_epilogue(const float (&acc)[BN / 2], con
   const uint32_t base = stage + r0 * 128 + 4 * q;
 #pragma unroll
   for (int k = 0; k < BN / kTile; ++k) {
-    named_bar_sync<128>(bar_id);   // `stage` has been read by the previous slice's store
+    uint32_t pairs[2][kTile / 8];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -134,15 +136,21 @@ __device__ __forceinline__ void half_dz_epilogue(const float (&acc)[BN / 2], con
           if (n0 + c + 1 < p.n_real) z1 = __fadd_rn(z1, p.bias[n0 + c + 1]);
         }
         const __nv_bfloat162 d = dz_pair(z0, z1, r, h, t[h], c);
-        st_shared_b32(base + h * 8 * 128 + ((j ^ (r0 % 8)) * 16), *reinterpret_cast<const uint32_t*>(&d));
+        pairs[h][j] = *reinterpret_cast<const uint32_t*>(&d);
       }
+    }
+    if (tid == 0) bulk_wait_group_read_all();   // the previous slice's store has read `stage`
+    named_bar_sync<128>(bar_id);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < kTile / 8; ++j) st_shared_b32(base + h * 8 * 128 + ((j ^ (r0 % 8)) * 16), pairs[h][j]);
     }
     fence_proxy_async_shared();   // the writes above, to the TMA (async) proxy
     named_bar_sync<128>(bar_id);
     if (tid == 0) {
       if (n0 + kTile * k < p.n_real) tma_store_2d(map_o, stage, n0 + kTile * k, row0);
       bulk_commit_group();
-      bulk_wait_group_read_all();   // `stage` is read before the next slice (and before the CTA exits)
     }
   }
 }

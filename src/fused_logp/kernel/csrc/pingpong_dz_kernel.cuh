@@ -8,7 +8,7 @@ namespace sm90 {
 
 // Each consumer warpgroup stores its tile's dz (half_dz_epilogue, dz_epilogue.cuh) one 64 x 64 slice at a time
 // through an 8 KB buffer of its own after the ring (named barrier kDzBar + c), by TMA through map_o, while the other
-// consumer's mainloop runs. The same accumulators and the same element-wise arithmetic (dz_pair) as the CTA kernel's
+// consumer's mainloop runs; its first thread waits for its last store's read before it exits. The same accumulators and the same element-wise arithmetic (dz_pair) as the CTA kernel's
 // dz: the same bytes.
 constexpr int kDzBar = 2;               // kDzBar + c: consumer c's slice buffer (ids 2 and 3; kOrderBar is 5 and 6)
 constexpr int kDzSliceBytes = kTile * kTile * 2;
@@ -32,6 +32,7 @@ pingpong_dz_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_const
                          half_dz_epilogue<C::BN>(acc0, p, m0, n0, stage, &map_o, kDzBar + c);
                          half_dz_epilogue<C::BN>(acc1, p, m0 + 64, n0, stage, &map_o, kDzBar + c);
                        });
+  bulk_wait_group_read_all();   // the last slice's store has read its buffer (a thread without stores: no wait)
 }
 
 }  // namespace sm90
