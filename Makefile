@@ -126,7 +126,9 @@ gpu-sanitizers-run:
 	done; done
 	$(MAKE) --no-print-directory gpu-sanitizers-backward-run
 
-# the backward's three runs alone (a findings file of earlier runs is kept)
+# the backward's three runs alone (a findings file of earlier runs is kept). racecheck reports hazards inside cuBLAS's
+# nvjet GEMM kernels that the backward calls (H100, 2026-12-05: the same with either dz configuration): a run whose
+# every hazard lies in a kernel named nvjet_* is not a finding, and says so.
 gpu-sanitizers-backward-run:
 	@mkdir -p $${OUT:-out}
 	for tool in memcheck racecheck synccheck; do \
@@ -134,6 +136,9 @@ gpu-sanitizers-backward-run:
 		$(GPU_ENV) timeout 120 compute-sanitizer --tool $$tool --error-exitcode 9 $(PYTHON) -P bench/benchmark_linear_logp_backward.py \
 			--smoke --dz-launches $(SMOKE_DZ_LAUNCHES) > $$log 2>&1; \
 		rc=$$?; echo "$$tool backward rc=$$rc"; tail -2 $$log; \
+		if [ $$rc = 9 ] && [ $$tool = racecheck ] && grep -q "Race reported" $$log && \
+			! grep "Race reported" $$log | grep -qv "access at nvjet_"; then \
+			echo "racecheck backward: every hazard lies in cuBLAS's nvjet kernels (the dh / dW GEMMs), none in ours"; rc=0; fi; \
 		{ echo "== $$tool backward rc=$$rc"; cat $$log; } >> $${OUT:-out}/sanitizers.txt; rm -f $$log; \
 		if [ $$rc = 9 ]; then echo "$$tool backward" >> $${OUT:-out}/sanitizer-findings.txt; elif [ $$rc != 0 ]; then exit $$rc; fi; \
 	done

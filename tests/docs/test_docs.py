@@ -173,7 +173,7 @@ def _indexed_results() -> set:
     out, last = set(), None
     for span in re.findall(r"`([^`\n]+)`", (ROOT / "bench" / "results" / "README.md").read_text()):
         for name in _expand(span):
-            if re.fullmatch(r"[\w.-]+-(?:h200|cpu|h200x2)[\w.-]*\.\w+|ex2-table-\w+\.json", name):
+            if re.fullmatch(r"[\w.-]+-(?:h200|h100|cpu|h200x2)[\w.-]*\.\w+|ex2-table-\w+\.json", name):
                 out.add(name)
                 last = name
             elif re.fullmatch(r"\.\w+", name) and last is not None:

@@ -37,14 +37,13 @@ _TILE = C.VOCAB_TILE
 LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2",
             "swapab-128")
 
-# Configurations that are built but have not yet passed `make test-gpu` on an H200: a call naming one is refused
-# unless FUSED_LOGP_CANDIDATE_LAUNCHES=1 (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto"
-# never picks one. cta-192x192: one CTA per 192 x 192 tile, for batches of 129-192 rows (tall_kernel.cuh).
-# pingpong-128x192-mc2: the ping-pong kernel in clusters of two CTAs along M, each weight tile loaded half by each CTA
-# and multicast into both (pingpong_kernel.cuh, CLUSTER = 2), for N >= 2048. swapab-128: the weight as the wgmma's A
-# operand and the batch as its B operand in row tiles of 32-256 rows (swap_kernel.cuh), for batches of 65-512 rows
-# that are not whole 128-row tiles.
-CANDIDATE_LAUNCHES: frozenset = frozenset({"cta-192x192", "pingpong-128x192-mc2", "swapab-128"})
+# Configurations that are built but not (yet) kept: a call naming one is refused unless FUSED_LOGP_CANDIDATE_LAUNCHES=1
+# (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto" never picks one. Both passed `make
+# test-gpu` and the sanitizers on an H100 and lost its A/B there (docs/design/sm90-kernel.md), and wait for an H200's:
+# cta-192x192, one CTA per 192 x 192 tile, for batches of 129-192 rows (tall_kernel.cuh); pingpong-128x192-mc2, the
+# ping-pong kernel in clusters of two CTAs along M, each weight tile loaded half by each CTA and multicast into both
+# (pingpong_kernel.cuh, CLUSTER = 2), for N >= 2048.
+CANDIDATE_LAUNCHES: frozenset = frozenset({"cta-192x192", "pingpong-128x192-mc2"})
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
 # kernels, the 192-row CTA kernel and the swapped-operand kernel); other calls naming one are refused before the
@@ -57,9 +56,11 @@ def _takes_shape(name: str, d: int, width: int) -> bool:
     return name not in _MULTIPLE_OF_64 or (d % 64 == 0 and width % 64 == 0)
 
 
-# H200 A/B (docs/design/sm90-kernel.md, "Small N" and "The persistent ping-pong kernel"): 64x256 ahead of both
-# 128-row configurations at odd 64-row tile counts up to 320 rows (of the ping-pong kernel by 9-11% at 129-136 rows,
-# level with it at 160, 192 and 320), level with 128x256 at 448, behind at 576.
+# The odd 64-row tile counts up to SMALL_ODD_MAX rows (129-192, 257-320), where the 128-row tiles leave half of the
+# last tile empty: swapab-128 (the batch rounded up to 32 rows, swap_kernel.cuh) ahead of every other configuration
+# on the H100 at 129, 160, 192, 288 and 320 rows, at T = 1, T = 0.7 and with the logits (0.98x the GEMM at 129 rows
+# against cta-64x256's 1.45x); cta-64x256 where swapab-128 does not take the shape (D or the width not a multiple of
+# 64), as measured on the H200 before (ahead of the 128-row configurations there).
 SMALL_ODD_MAX = 320
 
 # H200 A/B (docs/design/sm90-kernel.md, "The persistent ping-pong kernel"): pingpong-128x192 ahead of both CTA
@@ -86,13 +87,16 @@ def dz_auto_launch(d: int) -> str:
 
 def auto_launch(n_rows: int, d: int, width: int) -> str:
     """The configuration "auto" runs for a call of n_rows rows, D = d and a vocabulary (shard) width `width`
-    (figures in docs/design/sm90-kernel.md): 64x256 CTAs where the 128-row tiles would leave half of their last tile
-    empty and the batch is small (n_rows <= 64, and an odd number of 64-row tiles up to SMALL_ODD_MAX rows); else the
-    persistent ping-pong kernel for PINGPONG_ROWS rows where D and the width are multiples of 64; 128x256 CTAs
-    otherwise. Every configuration computes the same bytes; this picks only the speed."""
+    (figures in docs/design/sm90-kernel.md): 64x256 CTAs for n_rows <= 64; for an odd number of 64-row tiles up to
+    SMALL_ODD_MAX rows (the 128-row tiles would leave half of their last tile empty) the swapped-operand kernel where D
+    and the width are multiples of 64, else 64x256 CTAs; else the persistent ping-pong kernel for PINGPONG_ROWS rows
+    where D and the width are multiples of 64; 128x256 CTAs otherwise. Every configuration computes the same bytes;
+    this picks only the speed."""
     tiles64 = -(-n_rows // 64)
-    if n_rows <= 64 or (n_rows <= SMALL_ODD_MAX and tiles64 % 2 == 1):
+    if n_rows <= 64:
         return "cta-64x256"
+    if n_rows <= SMALL_ODD_MAX and tiles64 % 2 == 1:
+        return "swapab-128" if _takes_shape("swapab-128", d, width) else "cta-64x256"
     if PINGPONG_ROWS[0] <= n_rows <= PINGPONG_ROWS[1] and _takes_shape("pingpong-128x192", d, width):
         return "pingpong-128x192"
     return "cta-128x256"
