@@ -140,6 +140,19 @@ def _ms(x, width):
     return f"{x:{width}.2f}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
 
 
+def _dz_pass(be, h, w, t, lse, dz):
+    """The recompute GEMM with the dz epilogue over the whole vocabulary, chunk by chunk (backward_dz with the
+    backend's dz_launch; T = 1, coef = g_logp = 1) into dz [N, >= CUDA_CHUNK]: the callable."""
+    one = torch.ones(h.shape[0], device=h.device)
+    c = autograd.CUDA_CHUNK
+
+    def dz_pass():
+        for c0 in range(0, V, c):
+            cc = min(c, V - c0)
+            be.backward_dz(h, w[c0:c0 + cc], None, one, lse, one, one, t, c0, cc, dz[:, :cc])
+    return dz_pass
+
+
 def _parts(h, w, t):
     """The backward's passes over the whole vocabulary, each timed alone: the recompute GEMM with the dz
     epilogue (all chunks), the dh GEMMs (all chunks and slices) and the dW GEMMs, next to one cuBLAS GEMM with
@@ -151,17 +164,13 @@ def _parts(h, w, t):
     n = h.shape[0]
     c, sl = autograd.CUDA_CHUNK, autograd._CUDA_SLICE
     n_pad = -(-n // sl) * sl
-    one = torch.ones(n, device="cuda")
     lse = linear_logp(h, w, t).lse
     dz = torch.zeros(n_pad, c, dtype=torch.bfloat16, device="cuda")
     dh = torch.zeros(n_pad, D, device="cuda")
     dw = torch.empty_like(w)
     z = torch.empty(n, c, device="cuda")
 
-    def dz_pass():
-        for c0 in range(0, V, c):
-            cc = min(c, V - c0)
-            ext.backward_dz(h, w[c0:c0 + cc], None, one, lse, one, one, t, c0, cc, dz[:n, :cc])
+    dz_pass = _dz_pass(ext, h, w, t, lse, dz[:n])
 
     def dh_pass():
         for c0 in range(0, V, c):
@@ -192,20 +201,15 @@ def _dz_ab(h, w, t, names, rounds=7):
     be = device_backend(h.device)
     if be is None:
         return {"dz_ab": "sm90 backend unavailable"}
-    n = h.shape[0]
     c = autograd.CUDA_CHUNK
-    one = torch.ones(n, device="cuda")
     lse = linear_logp(h.detach(), w.detach(), t).lse
-    dz = torch.zeros(n, -(-c // 8) * 8, dtype=torch.bfloat16, device="cuda")
+    dz = torch.zeros(h.shape[0], -(-c // 8) * 8, dtype=torch.bfloat16, device="cuda")
 
     def fb():
         h.grad = w.grad = None
         linear_logp(h, w, t).logp.sum().backward()
 
-    def dz_pass():
-        for c0 in range(0, V, c):
-            cc = min(c, V - c0)
-            be.backward_dz(h.detach(), w.detach()[c0:c0 + cc], None, one, lse, one, one, t, c0, cc, dz[:, :cc])
+    dz_pass = _dz_pass(be, h.detach(), w.detach(), t, lse, dz)
 
     fns = {"gemm": lambda: torch.mm(h.detach(), w.detach().T)}
     for name in names:

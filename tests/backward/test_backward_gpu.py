@@ -211,19 +211,25 @@ def test_pingpong_dz_has_the_cta_kernels_bytes(n, n_cols, d, bias, dz_launch):
     assert pp.view(torch.int16)[:, end:].eq(0x7FC1).all(), "wrote beyond the row's last 16-byte unit"
 
 
-def test_pingpong_dz_gives_the_same_gradients(dz_launch):
-    """The whole backward (chunks of 16896 columns, the last one narrower, bias, per-row temperature) with either dz
-    configuration: the same bytes of dh, dW and db."""
-    from fused_logp.kernel.autograd import logp_grads
-    g = torch.Generator(device="cuda").manual_seed(14)
-    n, v, d = 700, 40000, 1024
+def _biased_batch(seed, n, v, d):
+    """A batch with a bias and per-row temperatures, its output gradients and lse:
+    (h, w, bias, targets, temperature, g_logp, g_lse, lse)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     h = torch.randn(n, d, device="cuda", generator=g).bfloat16()
     w = (torch.randn(v, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
     bias = torch.randn(v, device="cuda", generator=g) * 0.1
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
     temp = 0.5 + torch.rand(n, device="cuda", generator=g)
     gl, gs = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
-    lse = linear_logp(h, w, t, bias=bias, temperature=temp).lse
+    return h, w, bias, t, temp, gl, gs, linear_logp(h, w, t, bias=bias, temperature=temp).lse
+
+
+def test_pingpong_dz_gives_the_same_gradients(dz_launch):
+    """The whole backward (chunks of 16896 columns, the last one narrower, bias, per-row temperature) with either dz
+    configuration: the same bytes of dh, dW and db."""
+    from fused_logp.kernel.autograd import logp_grads
+    n, v = 700, 40000
+    h, w, bias, t, temp, gl, gs, lse = _biased_batch(14, n, v, 1024)
     out = {}
     for launch in ("cta-128x256", "pingpong-128x192"):
         dz_launch(launch)
@@ -261,15 +267,8 @@ def test_row_groups_give_the_same_hidden_gradient(monkeypatch):
     """A dz budget below the batch makes the backward run in row groups (the weight gradient accumulated over
     groups in FP32): the hidden gradient keeps its bytes, the weight and bias gradients stay within bf16 rounding."""
     from fused_logp.kernel import autograd
-    g = torch.Generator(device="cuda").manual_seed(13)
-    n, v, d = 2500, 40000, 1024
-    h = torch.randn(n, d, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(v, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
-    bias = torch.randn(v, device="cuda", generator=g) * 0.1
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    temp = 0.5 + torch.rand(n, device="cuda", generator=g)
-    gl, gs = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
-    lse = linear_logp(h, w, t, bias=bias, temperature=temp).lse
+    n, v = 2500, 40000
+    h, w, bias, t, temp, gl, gs, lse = _biased_batch(13, n, v, 1024)
     one = autograd.logp_grads(h, w, bias, t, temp, lse, gl, gs, vocab_start=0, n_real=v)
     monkeypatch.setattr(autograd, "_CUDA_CHUNK_BYTES", 1024 * autograd.CUDA_CHUNK * 2)
     assert autograd.cuda_group(n) == 1024

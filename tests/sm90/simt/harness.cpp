@@ -63,8 +63,10 @@ void cta_tiles(const float* z, const FusedParams& p) {
       });
 }
 
-template <bool LOGITS>
-void pingpong_tiles(const float* z, const FusedParams& p) {
+// Every 128 x 192 tile of the ping-pong kernel, one warpgroup: its two 64-row halves' accumulators placed, then
+// half(acc, row0, n0) for each half, as the kernel's epilogue calls them.
+template <class Half>
+void pingpong_halves(const float* z, const FusedParams& p, Half&& half) {
   using C = sm90::PingPongCfg;
   simt::Block block(128);
   for (int m0 = 0; m0 < p.n_rows; m0 += C::BM)
@@ -73,9 +75,16 @@ void pingpong_tiles(const float* z, const FusedParams& p) {
         float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
         place(acc0, C::BN, t, z, p.n_rows, p.n_real, m0, n0);
         place(acc1, C::BN, t, z, p.n_rows, p.n_real, m0 + 64, n0);
-        sm90::half_epilogue<LOGITS>(acc0, p, m0, n0);
-        sm90::half_epilogue<LOGITS>(acc1, p, m0 + 64, n0);
+        half(acc0, m0, n0);
+        half(acc1, m0 + 64, n0);
       });
+}
+
+template <bool LOGITS>
+void pingpong_tiles(const float* z, const FusedParams& p) {
+  pingpong_halves(z, p, [&](float(&acc)[sm90::PingPongCfg::HALF_ACC], int row0, int n0) {
+    sm90::half_epilogue<LOGITS>(acc, p, row0, n0);
+  });
 }
 
 // cta-192x192 (tall_kernel.cuh): per 192 x 192 tile, consumer 0's halves at rows m0 and m0 + 64, consumer 1's at
@@ -153,8 +162,8 @@ alignas(1024) uint8_t g_stage[4 * 8192];
 
 void dz_tiles(int config, const float* z, const FusedParams& p, const CUtensorMap* map) {
   simt::shared_base = g_stage;
-  simt::Block block(128);
   if (config == 0) {
+    simt::Block block(128);
     for (int row0 = 0; row0 < p.n_rows; row0 += 64)
       for (int col0 = 0; col0 < p.n_real; col0 += 256)
         block.run([&](unsigned t) {
@@ -165,16 +174,9 @@ void dz_tiles(int config, const float* z, const FusedParams& p, const CUtensorMa
         });
     return;
   }
-  using C = sm90::PingPongCfg;
-  for (int m0 = 0; m0 < p.n_rows; m0 += C::BM)
-    for (int n0 = 0; n0 < p.n_real; n0 += C::BN)
-      block.run([&](unsigned t) {
-        float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
-        place(acc0, C::BN, t, z, p.n_rows, p.n_real, m0, n0);
-        place(acc1, C::BN, t, z, p.n_rows, p.n_real, m0 + 64, n0);
-        sm90::half_dz_epilogue<C::BN>(acc0, p, m0, n0, sm90::smem_u32(g_stage), map, 2);
-        sm90::half_dz_epilogue<C::BN>(acc1, p, m0 + 64, n0, sm90::smem_u32(g_stage), map, 2);
-      });
+  pingpong_halves(z, p, [&](float(&acc)[sm90::PingPongCfg::HALF_ACC], int row0, int n0) {
+    sm90::half_dz_epilogue<sm90::PingPongCfg::BN>(acc, p, row0, n0, sm90::smem_u32(g_stage), map, 2);
+  });
 }
 
 template <int THREADS>

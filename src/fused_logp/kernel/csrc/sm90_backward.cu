@@ -18,6 +18,12 @@
 namespace sm90 {
 
 namespace {
+// The dz kernels' output map: [N, n_cols rounded up to 8] bf16 (whole 16-byte units per row), 64 x 64 boxes, 128-byte
+// swizzle.
+CUtensorMap dz_out_map(const torch::Tensor& out) {
+  return make_map(out.as_strided({out.size(0), (out.size(1) + 7) / 8 * 8}, {out.stride(0), 1}), 64);
+}
+
 // The 128x256 CTA (two consumer warpgroups of 64 rows x 256 columns) with the DZ epilogue; out is stored by TMA.
 void launch_dz(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& out,
                const FusedParams& p, cudaStream_t stream) {
@@ -27,8 +33,7 @@ void launch_dz(const torch::Tensor& hidden, const torch::Tensor& weight, const t
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
-  // [N, n_cols rounded up to 8] bf16 (whole 16-byte units per row), 64 x 64 boxes, 128-byte swizzle
-  const CUtensorMap mo = make_map(out.as_strided({out.size(0), (out.size(1) + 7) / 8 * 8}, {out.stride(0), 1}), 64);
+  const CUtensorMap mo = dz_out_map(out);
   auto kern = (p.d % kBK == 0) ? fused_cta_kernel<2, 256, true, true> : fused_cta_kernel<2, 256, false, true>;
   launch_kernel(kern, static_cast<long long>(q.num_m) * q.num_n, C::SMEM, stream, mh, mw, mo, q);
 }
@@ -46,7 +51,7 @@ void launch_dz_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight
   const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
-  const CUtensorMap mo = make_map(out.as_strided({out.size(0), (out.size(1) + 7) / 8 * 8}, {out.stride(0), 1}), 64);
+  const CUtensorMap mo = dz_out_map(out);
   launch_kernel(pingpong_dz_kernel, std::min<long long>(tiles, sm_count()), kPingPongDzSmem, stream, mh, mw, mo, q);
 }
 
