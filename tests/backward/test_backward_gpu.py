@@ -135,7 +135,7 @@ def dz_launch():
     be.dz_launch, be.allow_candidates = "auto", allowed
 
 
-@pytest.mark.parametrize("launch", ["cta-128x256", "pingpong-128x192"])
+@pytest.mark.parametrize("launch", ["cta-128x256", "pingpong-128x192", "pingpong-128x192-dyn"])
 @pytest.mark.parametrize("n_cols", [1, 255, 4097])
 def test_dz_kernel_against_float64_formula(n_cols, launch, dz_launch):
     """backward_dz on one chunk (odd widths, a column offset, bias, per-row temperature, targets inside and
@@ -188,8 +188,9 @@ def test_pingpong_dz_has_the_cta_kernels_bytes(n, n_cols, d, bias, dz_launch):
     """The ping-pong dz kernel (persistent, each consumer's dz in 64-column slices beside the other's mainloop) writes
     the same bytes as the CTA kernel, scratch columns included, and nothing beyond them: rows that are not whole
     128-row tiles, widths that are not whole 192- or 64-column tiles, many tiles a CTA (2100 x 16896: 1496 tiles),
-    bias or none, targets inside, at the edges of and outside the chunk. A row's dz is the same in both because z is
-    the same accumulator and the element-wise arithmetic is the same function (dz_pair)."""
+    bias or none, targets inside, at the edges of and outside the chunk; the same on the dynamic schedule
+    (pingpong-128x192-dyn). A row's dz is the same in all because z is the same accumulator and the element-wise
+    arithmetic is the same function (dz_pair)."""
     be = dz_launch("auto")
     g = torch.Generator(device="cuda").manual_seed(1000 + n)
     off = 5000
@@ -203,12 +204,13 @@ def test_pingpong_dz_has_the_cta_kernels_bytes(n, n_cols, d, bias, dz_launch):
     coef, gl = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
     args = (h, w, b, temp, lse, coef, gl, t, off, n_cols)
     cta = _dz_chunk(be, "cta-128x256", *args)
-    pp = _dz_chunk(be, "pingpong-128x192", *args)
     end = -(-n_cols // 8) * 8
     assert not cta[:, :n_cols].isnan().any(), "unwritten elements (CTA kernel)"
-    same = cta.view(torch.int16).eq(pp.view(torch.int16))
-    assert same.all(), f"{int((~same).sum())} elements differ, first at {(~same).nonzero()[0].tolist()}"
-    assert pp.view(torch.int16)[:, end:].eq(0x7FC1).all(), "wrote beyond the row's last 16-byte unit"
+    for launch in ("pingpong-128x192", "pingpong-128x192-dyn"):
+        pp = _dz_chunk(be, launch, *args)
+        same = cta.view(torch.int16).eq(pp.view(torch.int16))
+        assert same.all(), f"{launch}: {int((~same).sum())} elements differ, first at {(~same).nonzero()[0].tolist()}"
+        assert pp.view(torch.int16)[:, end:].eq(0x7FC1).all(), f"{launch}: wrote beyond the row's last 16-byte unit"
 
 
 def _biased_batch(seed, n, v, d):

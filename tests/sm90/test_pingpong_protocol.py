@@ -11,7 +11,11 @@ The same for CLUSTER = 2 (pingpong-128x192-mc2): two CTAs whose producers each l
 half of the weight tile into the same stage of both CTAs (every part landing in any order and at any later time,
 before or after the receiving CTA's expect_tx); a stage's full barrier counts one arrival and the transaction bytes of
 three parts, its empty barrier one release from each CTA. Checks, besides the above: no part lands in a stage that a
-consumer of that CTA has not yet released."""
+consumer of that CTA has not yet released.
+
+The dynamic schedule (pingpong-128x192-dyn): every CTA of the grid at once, sharing the tile counter, with the ring of
+tile slots and the end marks. Checks, besides the above: every slot read holds the number posted for it, every tile
+is computed exactly once, and no order-barrier signal is left without its wait."""
 from __future__ import annotations
 
 import random
@@ -239,3 +243,136 @@ def test_a_full_barrier_that_does_not_count_the_peer_half_passes_early():
     with pytest.raises(Fault, match="read fill"):
         for seed in range(300):
             _run_cluster(4, 1, 3, seed, parts=2)
+
+
+TILE_SLOTS = 8      # kTileSlots
+
+
+def _run_dynamic(tiles, grid, kblocks, seed, *, slots=TILE_SLOTS, peek=True):
+    """pingpong_kernel<LOGITS, 1> on the dynamic schedule: `grid` CTAs run together and share the tile counter. A
+    CTA's producer takes tile blockIdx.x first, then claims each next tile (grid + counter, incremented) before the
+    current tile's loads; it writes slot i % slots once it has waited for the release of tile i - 1's last stage, and
+    past the last tile posts the end mark into slots i and i + 1. A consumer waits for its slot (the mbarrier's phase
+    parity) before each tile, and after each mainloop waits for the next slot and signals the other consumer's order
+    barrier only if that slot holds a tile (peek=False: always signals, as the static schedule's test of a successor
+    cannot be made here). Checks, besides the static schedule's: every slot read holds what was posted for that index,
+    every tile is computed exactly once over the CTAs, and every run finishes."""
+    rnd = random.Random(seed)
+    counter = [0]
+    computed = []
+    agents, issued, lands = [], [], {}
+
+    def passed(completed, parity):
+        return (completed & 1) != parity
+
+    for block in range(min(grid, tiles)):
+        st = {"full": [0] * STAGES, "empty": [0] * STAGES, "content": [None] * STAGES,
+              "posted": [0] * slots, "unit": [None] * slots, "sent": {}, "bars": {0: [0, 0], 1: [0, 0]}}
+
+        def producer(st=st, block=block):
+            u, i, seq = block, 0, 0
+            while u < tiles:
+                nxt = grid + counter[0]
+                counter[0] += 1
+                yield
+                st["unit"][i % slots] = u
+                st["sent"][i] = u
+                st["posted"][i % slots] += 1
+                for _ in range(kblocks):
+                    s = seq % STAGES
+                    while not passed(st["empty"][s], ((seq // STAGES) & 1) ^ 1):
+                        yield
+                    issued.append((block, s, seq))
+                    seq += 1
+                    yield
+                u, i = nxt, i + 1
+            for e in (i, i + 1):
+                st["unit"][e % slots] = tiles
+                st["sent"][e] = tiles
+                st["posted"][e % slots] += 1
+                yield
+
+        def unit_at(i, c, st=st):
+            k = i % slots
+            while not passed(st["posted"][k], (i // slots) & 1):
+                yield
+            if st["unit"][k] != st["sent"].get(i):
+                raise Fault(f"consumer {c} read slot {k} = {st['unit'][k]} for index {i}, posted {st['sent'].get(i)}")
+            return st["unit"][k]
+
+        def consumer(c, st=st, unit_at=unit_at):
+            bars = st["bars"]
+            i = c
+            while True:
+                u = yield from unit_at(i, c)
+                if u >= tiles:
+                    return
+                if i > 0:
+                    bars[c][1] += 1
+                    if bars[c][1] != 1:
+                        raise Fault("two waits in one generation of an order barrier")
+                    while bars[c][0] < 1:
+                        yield
+                    bars[c][0] -= 1
+                    bars[c][1] -= 1
+                held = None
+                for kb in range(kblocks):
+                    q = i * kblocks + kb
+                    s = q % STAGES
+                    while not passed(st["full"][s], (q // STAGES) & 1):
+                        yield
+                    if st["content"][s] != q:
+                        raise Fault(f"consumer {c} read fill {st['content'][s]} of stage {s} for fill {q}")
+                    if held is not None:
+                        st["empty"][held] += 1
+                    held = s
+                    yield
+                st["empty"][held] += 1
+                computed.append(u)
+                nxt = yield from unit_at(i + 1, c)
+                if nxt < tiles or not peek:
+                    bars[1 - c][0] += 1
+                    if bars[1 - c][0] != 1:
+                        raise Fault("a second signal before the wait of the first")
+                yield
+                i += 2
+
+        lands[block] = st
+        agents += [producer(), consumer(0), consumer(1)]
+
+    def land(item):
+        block, s, q = item
+        lands[block]["content"][s] = q
+        lands[block]["full"][s] += 1
+
+    _drive(rnd, agents, issued, land, 400000, f"no progress: tiles {tiles}, grid {grid}, K blocks {kblocks}")
+    if sorted(computed) != list(range(tiles)):
+        raise Fault(f"tiles computed {sorted(computed)}, expected each of 0 .. {tiles - 1} once")
+    for st in lands.values():
+        if any(v[0] for v in st["bars"].values()):
+            raise Fault("an order barrier signal without its wait")
+
+
+@pytest.mark.parametrize("kblocks", [1, 2, 5, 7])
+def test_the_dynamic_schedule_reads_its_own_slots_computes_every_tile_once_and_finishes(kblocks):
+    for tiles in (1, 2, 3, 5, 8, 13):
+        for grid in (1, 2, 3, 5):
+            for seed in range(12):
+                _run_dynamic(tiles, grid, kblocks, seed)
+
+
+def test_a_ring_of_stages_plus_one_tile_slots_fails():
+    """One slot fewer than kTileSlots's bound (STAGES + 2): a slot is posted twice before its reader waits, and the
+    reader's parity wait never passes (two slots: the reader reads a later tile's number)."""
+    with pytest.raises(Fault, match="no progress"):
+        for seed in range(300):
+            _run_dynamic(20, 1, 1, seed, slots=STAGES + 1)
+    with pytest.raises(Fault, match="read slot"):
+        for seed in range(300):
+            _run_dynamic(20, 1, 1, seed, slots=2)
+
+
+def test_signalling_past_the_last_tile_leaves_a_signal_without_its_wait():
+    with pytest.raises(Fault, match="without its wait"):
+        for seed in range(50):
+            _run_dynamic(5, 2, 2, seed, peek=False)

@@ -202,7 +202,7 @@ def test_swapped_operand_row_tiles(lib, n, v):
         assert same_bytes(g, w), name
 
 
-DZ_CONFIGS = {"cta-128x256": 0, "pingpong-128x192": 1}     # backward_dz's configurations (kernel/sm90.py DZ_LAUNCHES)
+DZ_CONFIGS = {"cta-128x256": 0, "pingpong-128x192": 1}   # the dz epilogues of sm90.DZ_LAUNCHES (-dyn: the same)
 BF16_POISON = np.uint16(0x7FC1)
 LOG2E = np.float32(1.4426950408889634)
 

@@ -136,8 +136,8 @@ def test_pingpong_order_barriers_pair_each_signal_with_one_wait():
     """The persistent ping-pong kernel orders its consumers' mainloops with two named barriers of its own (ids above
     every barrier of the CTA kernel), each a wait of one consumer warpgroup (`bar.sync`, 256 threads) and a signal of
     the other (`bar.arrive`): a consumer waits before every mainloop but its first, and signals after every mainloop
-    that has a successor tile (unit: CLUSTER m tiles of one vocabulary tile), so that each signal meets exactly one
-    wait. Its other barriers: the initialisation's `__syncthreads` (one CTA) or cluster barrier (CLUSTER = 2), which
+    that has a successor tile (unit: CLUSTER m tiles of one vocabulary tile; unit_at(i + 1), the static stride or the
+    dynamic schedule's next slot), so that each signal meets exactly one wait. Its other barriers: the initialisation's `__syncthreads` (one CTA) or cluster barrier (CLUSTER = 2), which
     the cluster kernel's threads meet again before they exit."""
     ptx = (CSRC / "ptx.cuh").read_text()
     assert re.search(r"void named_bar_arrive\(int id\) \{\s*asm volatile\(\"bar\.arrive %0, %1;\"", ptx)
@@ -148,7 +148,7 @@ def test_pingpong_order_barriers_pair_each_signal_with_one_wait():
     assert re.findall(r"named_bar_\w+<[^>]*>\(kOrderBar[^;]*;", k) == ["named_bar_sync<256>(kOrderBar + c);"] + \
         ["named_bar_arrive<256>(kOrderBar + (1 - c));"] * 2
     assert "if (i > 0) named_bar_sync<256>(kOrderBar + c);" in k
-    signal = "if (u + unit_stride<CLUSTER>() < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));"
+    signal = "if (unit_at(i + 1) < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));"
     assert k.count(signal) == 2
     assert k.index(signal) < k.index("continue;", k.index(signal)) < k.index(signal, k.index(signal) + 1)
     assert "for (int i = c;; i += 2) {" in k

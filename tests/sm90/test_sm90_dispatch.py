@@ -85,7 +85,8 @@ def test_the_dz_launch_is_checked_before_the_extension(monkeypatch):
     be = sm90.SM90Backend()
     assert be._dz_launch_name(4096) == "cta-128x256" and be._dz_launch_name(4000) == "cta-128x256"
     be.dz_launch = "pingpong-64x256"
-    with pytest.raises(ValueError, match=r"dz_launch must be 'auto' or one of \['cta-128x256', 'pingpong-128x192'\], "
+    with pytest.raises(ValueError, match=r"dz_launch must be 'auto' or one of \['cta-128x256', 'pingpong-128x192', "
+                                         r"'pingpong-128x192-dyn'\], "
                                          r"got 'pingpong-64x256'"):
         be._dz_launch_name(4096)
     be.dz_launch = "pingpong-128x192"

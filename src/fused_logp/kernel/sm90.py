@@ -35,20 +35,23 @@ _TILE = C.VOCAB_TILE
 # pingpong-128x192-mc2) the consumer warps store them after each slice's statistics, in swapab-128 after each tile's
 # statistics (docs/design/sm90-kernel.md).
 LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2",
-            "swapab-128")
+            "swapab-128", "pingpong-128x192-dyn")
 
 # Configurations that are built but not (yet) kept: a call naming one is refused unless FUSED_LOGP_CANDIDATE_LAUNCHES=1
 # (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto" never picks one. Both passed `make
 # test-gpu` and the sanitizers on an H100 and lost its A/B there (docs/design/sm90-kernel.md), and wait for an H200's:
 # cta-192x192, one CTA per 192 x 192 tile, for batches of 129-192 rows (tall_kernel.cuh); pingpong-128x192-mc2, the
 # ping-pong kernel in clusters of two CTAs along M, each weight tile loaded half by each CTA and multicast into both
-# (pingpong_kernel.cuh, CLUSTER = 2), for N >= 2048.
-CANDIDATE_LAUNCHES: frozenset = frozenset({"cta-192x192", "pingpong-128x192-mc2"})
+# (pingpong_kernel.cuh, CLUSTER = 2), for N >= 2048. Not yet run on a GPU: pingpong-128x192-dyn, the ping-pong
+# kernel on the dynamic schedule (each CTA claims its next tile from a counter, so that the tiles in flight stay a
+# window of the raster), for N >= 2048.
+CANDIDATE_LAUNCHES: frozenset = frozenset({"cta-192x192", "pingpong-128x192-mc2", "pingpong-128x192-dyn"})
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
 # kernels, the 192-row CTA kernel and the swapped-operand kernel); other calls naming one are refused before the
 # launch (and by the extension).
-_MULTIPLE_OF_64 = frozenset({"pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2", "swapab-128"})
+_MULTIPLE_OF_64 = frozenset({"pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2", "swapab-128",
+                             "pingpong-128x192-dyn"})
 
 
 def _takes_shape(name: str, d: int, width: int) -> bool:
@@ -75,9 +78,10 @@ PINGPONG_ROWS = (65, 4096)
 # pingpong-128x192, the persistent ping-pong kernel with one consumer's dz beside the other's mainloop
 # (pingpong_kernel.cuh pingpong_dz_kernel; D a multiple of 64). The same bytes: the same accumulators and the same
 # element-wise arithmetic. "auto" (dz_auto_launch) is one of them.
-DZ_LAUNCHES = ("cta-128x256", "pingpong-128x192")
+# pingpong-128x192-dyn: the same on the dynamic schedule (each CTA claims its next tile from a counter).
+DZ_LAUNCHES = ("cta-128x256", "pingpong-128x192", "pingpong-128x192-dyn")
 # dz configurations that have not yet passed `make test-gpu` on an H200 (refused as CANDIDATE_LAUNCHES are).
-DZ_CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192"})
+DZ_CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192", "pingpong-128x192-dyn"})
 
 
 def dz_auto_launch(d: int) -> str:
@@ -261,8 +265,8 @@ class SM90Backend:
         if name in DZ_CANDIDATE_LAUNCHES and not self.allow_candidates:
             raise ValueError(f"dz_launch {name!r} has not passed the GPU test suite yet; set "
                              "FUSED_LOGP_CANDIDATE_LAUNCHES=1 to run it, or use 'auto'")
-        if name == "pingpong-128x192" and d % 64:
-            raise ValueError(f"dz_launch 'pingpong-128x192' takes D a multiple of 64, got D = {d}; use 'auto' or "
+        if name != "cta-128x256" and d % 64:
+            raise ValueError(f"dz_launch {name!r} takes D a multiple of 64, got D = {d}; use 'auto' or "
                              "'cta-128x256'")
         return name
 

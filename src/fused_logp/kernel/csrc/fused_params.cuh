@@ -35,6 +35,9 @@ struct FusedParams {
   float* logits;      // [N, n_real] or null
   int logits_vec4;    // logits may be written as 16-byte quads (n_real % 4 == 0, 16-byte aligned start)
   int skip_epilogue;  // timing hook only (bench): mainloop without statistics
+  // The persistent ping-pong kernels' tile claims (pingpong_kernel.cuh): null, the static schedule; else a counter
+  // that is 0 at the launch, from which each CTA claims its tiles after its first (the dynamic schedule).
+  unsigned* tile_counter;
   // Backward (dz_epilogue.cuh): instead of statistics, the logit gradient of every element
   // dz = (coef * exp(z' - lse) + g_logp [column == target]) / T, rounded to bf16, stored through a TMA map.
   const float* lse;

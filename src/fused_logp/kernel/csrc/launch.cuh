@@ -140,9 +140,10 @@ extern template void launch_cta<1, 128>(const torch::Tensor&, const torch::Tenso
 extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 
 // Forward statistics with the persistent ping-pong kernel, 128x192 consumer tiles (sm90_pingpong_128x192.cu): D and
-// n_real multiples of 64 (it refuses other calls).
+// n_real multiples of 64 (it refuses other calls). dynamic: the dynamic schedule (configuration
+// pingpong-128x192-dyn), each CTA claiming its next tile from a counter.
 void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
-                     cudaStream_t stream);
+                     cudaStream_t stream, bool dynamic = false);
 
 // The same kernel in clusters of two CTAs along M, each weight tile multicast into both (sm90_pingpong_128x192_mc2.cu,
 // configuration pingpong-128x192-mc2): D and n_real multiples of 64 (it refuses other calls).

@@ -2,9 +2,14 @@
 // wgmma accumulator, K in ascending k16 groups, no split-K) with the statistics epilogue, scheduled so that one
 // consumer warpgroup's statistics (and logits stores) run while the other's mainloop runs.
 //
-// One CTA an SM (grid = min(SMs, tiles)); the CTA takes tiles blockIdx.x, + gridDim.x, ... in the grouped raster of
-// tile_coords. Its producer warpgroup (one thread) streams every tile's K blocks, in that order, through one ring of
-// STAGES shared-memory stages. Consumer warpgroup c owns the CTA's tiles i with i % 2 == c, each a whole
+// One CTA an SM (grid = min(SMs, tiles)); tiles are numbered in the grouped raster of tile_coords. The static
+// schedule: the CTA takes tiles blockIdx.x, + gridDim.x, ... The dynamic schedule (p.tile_counter, CLUSTER = 1): the
+// CTA takes tile blockIdx.x first, then each next tile as gridDim.x + the counter's value, which its producer
+// increments one tile ahead, so that the tiles in flight stay a window of the raster however the CTAs' speeds differ
+// (the static stride lets them drift apart, and the weight tiles that they share then leave L2 between uses). The
+// producer posts each tile's number, and past the last tile an end mark for each consumer, in a ring of kTileSlots
+// slots with an mbarrier each (tile_slots). Its producer warpgroup (one thread) streams every tile's K blocks, in
+// that order, through one ring of STAGES shared-memory stages. Consumer warpgroup c owns the CTA's tiles i with i % 2 == c, each a whole
 // 128 x 192 tile: two m64n192k16 halves (rows [0, 64) and [64, 128)) that share the stage's B. The two consumers'
 // mainloops run in tile order, one at a time (named barriers kOrderBar + c: consumer c waits at its own before each
 // mainloop but its first, and signals the other's after each mainloop that has a successor tile, so that every signal
@@ -62,6 +67,23 @@ static_assert(128 * kPingPongProducerRegs + 128 * kConsumers * kPingPongConsumer
 
 // Named barriers of the ping-pong kernel: kOrderBar + c, consumer c may begin its next mainloop. (0: the block's.)
 constexpr int kOrderBar = 5;
+
+// The dynamic schedule's ring of tile numbers, after the stage barriers: slot i % kTileSlots holds the CTA's i-th
+// tile (or unit_count, the end), posted on its mbarrier. The producer writes slot i once it has waited for the release
+// of tile i - 1's last stage; by then every tile up to i - 1 - STAGES has begun its mainloop, so its consumer has
+// read its slot: kTileSlots >= STAGES + 2 keeps both end marks (i and i + 1) off unread slots.
+constexpr int kTileSlots = 8;
+struct TileSlots {
+  uint64_t* posted;   // [kTileSlots] mbarriers, count 1
+  int* unit;          // [kTileSlots]
+};
+template <int STAGES>
+__device__ __forceinline__ TileSlots tile_slots(uint64_t* full) {
+  static_assert(kTileSlots >= STAGES + 2, "an end mark never lands on an unread slot");
+  static_assert((2 * STAGES + kTileSlots) * 8 + kTileSlots * 4 <= 256, "the barriers fit the kernels' 256 bytes");
+  uint64_t* posted = full + 2 * STAGES;   // after full[STAGES] and empty[STAGES]
+  return {posted, reinterpret_cast<int*>(posted + kTileSlots)};
+}
 
 // The loop bounds, read from the parameters where they are used: locals held across the epilogue would take the
 // register that the logits stores need. A unit is the work of one cluster: CLUSTER m tiles of one vocabulary tile.
@@ -151,6 +173,11 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
   static_assert(CLUSTER == 1 || CLUSTER == 2, "clusters of one or two CTAs");
   const int wg = threadIdx.x / 128;
 
+  // the dynamic schedule (CLUSTER = 1 only)
+  const bool dynamic = CLUSTER == 1 && p.tile_counter != nullptr;
+  const TileSlots slots = tile_slots<C::STAGES>(full);
+  if (threadIdx.x == 0)
+    for (int k = 0; k < kTileSlots; ++k) mbar_init(&slots.posted[k], 1);
   init_ring<C::STAGES>(full, empty, CLUSTER);     // each stage is read by one consumer warpgroup of each CTA
   if constexpr (CLUSTER > 1)
     cluster_sync();                      // the peer's barriers are initialised before any multicast reaches them
@@ -161,8 +188,16 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
     // Producer warpgroup: one thread issues the TMA loads of every tile of this CTA, K blocks in order.
     setmaxnreg_dec<kPingPongProducerRegs>();
     if (threadIdx.x == 0) {
-      int seq = 0;
-      for (int u = first_unit<CLUSTER>(); u < unit_count<CLUSTER>(p); u += unit_stride<CLUSTER>()) {
+      int seq = 0, i = 0;
+      for (int u = first_unit<CLUSTER>(); u < unit_count<CLUSTER>(p); ++i) {
+        int next;
+        if (dynamic) {
+          next = static_cast<int>(gridDim.x + atomicAdd(p.tile_counter, 1u));   // waited for after the loads
+          slots.unit[i % kTileSlots] = u;
+          mbar_arrive(&slots.posted[i % kTileSlots]);   // release: the slot's write before the post
+        } else {
+          next = u + unit_stride<CLUSTER>();
+        }
         int mu, ntile;
         tile_coords(u, m_units<CLUSTER>(p), p.num_n, mu, ntile);
         // a tile beyond the rows (odd num_m) loads the last real hidden tile: its bytes fill the stage, unused
@@ -180,7 +215,13 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
           else
             tma_load_2d(a + C::A_BYTES, map_w, &full[s], kb * kBK, ntile * C::BN);
         }
+        u = next;
       }
+      if (dynamic)   // the end, for the consumer of slot i and for the other
+        for (int e = i; e < i + 2; ++e) {
+          slots.unit[e % kTileSlots] = unit_count<CLUSTER>(p);
+          mbar_arrive(&slots.posted[e % kTileSlots]);
+        }
     }
     if constexpr (CLUSTER > 1) cluster_sync();   // no CTA exits while its peer may still write into it
     return;
@@ -189,10 +230,16 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
   setmaxnreg_inc<kPingPongConsumerRegs>();
   const int c = wg - 1;
   const bool leader = threadIdx.x % 128 == 0;
-  // the CTA's units i = c, c + 2, ...: unit first_unit + i unit_stride, its K blocks from seq = i k_blocks(p) of the
-  // ring's sequence
+  // The CTA's i-th unit: first_unit + i unit_stride, or the dynamic schedule's slot (waited for; a phase's parity is
+  // unambiguous because the producer is never a whole ring of slots ahead of the reader).
+  const auto unit_at = [&](int i) -> int {
+    if (!dynamic) return first_unit<CLUSTER>() + i * unit_stride<CLUSTER>();
+    mbar_wait(&slots.posted[i % kTileSlots], (i / kTileSlots) & 1);
+    return slots.unit[i % kTileSlots];
+  };
+  // the CTA's units i = c, c + 2, ...: their K blocks from seq = i k_blocks(p) of the ring's sequence
   for (int i = c;; i += 2) {
-    const int u = first_unit<CLUSTER>() + i * unit_stride<CLUSTER>();
+    const int u = unit_at(i);
     if (u >= unit_count<CLUSTER>(p)) break;
     const int seq = i * k_blocks(p);
     int mu, ntile;
@@ -208,7 +255,7 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
           mbar_wait(&full[s], (q / C::STAGES) & 1);
           if (leader) release_stage<CLUSTER>(&empty[s]);
         }
-        if (u + unit_stride<CLUSTER>() < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+        if (unit_at(i + 1) < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
         continue;
       }
     }
@@ -242,7 +289,7 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
     reg_fence<C::HALF_ACC>(acc1);
     if (leader) release_stage<CLUSTER>(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
     // the next unit's mainloop may begin
-    if (u + unit_stride<CLUSTER>() < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+    if (unit_at(i + 1) < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
 
     epi(acc0, acc1, m0, n0);
   }

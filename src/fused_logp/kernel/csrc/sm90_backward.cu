@@ -40,12 +40,16 @@ void launch_dz(const torch::Tensor& hidden, const torch::Tensor& weight, const t
 
 // The persistent ping-pong kernel, 128x192 consumer tiles, with the dz epilogue (pingpong_dz_kernel.cuh): D a multiple
 // of 64 (every stage holds 4 k16 groups); any n_cols (the TMA store clips the columns beyond it, the bias is read
-// lane by lane).
+// lane by lane). dynamic: on the dynamic schedule (launch pingpong-128x192-dyn; pingpong_kernel.cuh).
 void launch_dz_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& out,
-                        const FusedParams& p, cudaStream_t stream) {
+                        const FusedParams& p, cudaStream_t stream, bool dynamic) {
   using C = PingPongCfg;
-  TORCH_CHECK(p.d % kBK == 0, "sm90 backward: launch pingpong-128x192 takes D a multiple of 64, got D = ", num(p.d));
+  const char* name = dynamic ? "pingpong-128x192-dyn" : "pingpong-128x192";
+  TORCH_CHECK(p.d % kBK == 0, "sm90 backward: launch ", name, " takes D a multiple of 64, got D = ", num(p.d));
   FusedParams q = p;
+  // the dynamic schedule's counter, 0 at the launch (stream-ordered: freed to the caching allocator after the launch)
+  const torch::Tensor counter = dynamic ? torch::zeros({1}, hidden.options().dtype(torch::kInt32)) : torch::Tensor();
+  q.tile_counter = dynamic ? reinterpret_cast<unsigned*>(counter.data_ptr<int32_t>()) : nullptr;
   q.num_m = (p.n_rows + C::BM - 1) / C::BM;
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
   const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
@@ -67,14 +71,15 @@ void check_vec(const torch::Tensor& t, const char* name, long long n) {
 // a row stride that is a multiple of 8 elements and a 16-byte aligned start (the TMA store's requirements).
 // Columns [n_cols, n_cols rounded up to 8) of each row are scratch: they are overwritten (the store covers whole
 // 16-byte units); nothing at or beyond that is written. launch: one of dz_launch_names().
-std::vector<std::string> dz_launch_names() { return {"cta-128x256", "pingpong-128x192"}; }
+std::vector<std::string> dz_launch_names() { return {"cta-128x256", "pingpong-128x192", "pingpong-128x192-dyn"}; }
 
 void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                  torch::Tensor temperature, torch::Tensor lse, torch::Tensor coef, torch::Tensor g_logp,
                  torch::Tensor targets, int64_t col_offset, int64_t n_cols, torch::Tensor out,
                  const std::string& launch) {
-  TORCH_CHECK(launch == "cta-128x256" || launch == "pingpong-128x192",
-              "sm90 backward: launch must be one of cta-128x256, pingpong-128x192; got '", launch, "'");
+  TORCH_CHECK(launch == "cta-128x256" || launch == "pingpong-128x192" || launch == "pingpong-128x192-dyn",
+              "sm90 backward: launch must be one of cta-128x256, pingpong-128x192, pingpong-128x192-dyn; got '",
+              launch, "'");
   FusedParams p = entry_params("sm90 backward", "n_cols", hidden, weight, targets, temperature, bias, col_offset,
                                n_cols);
   const long long n = hidden.size(0);
@@ -91,8 +96,8 @@ void backward_dz(torch::Tensor hidden, torch::Tensor weight, c10::optional<torch
   p.g_logp = g_logp.data_ptr<float>();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(hidden.device());
-  if (launch == "pingpong-128x192")
-    launch_dz_pingpong(hidden, weight, out, p, c10::cuda::getCurrentCUDAStream());
+  if (launch != "cta-128x256")
+    launch_dz_pingpong(hidden, weight, out, p, c10::cuda::getCurrentCUDAStream(), launch == "pingpong-128x192-dyn");
   else
     launch_dz(hidden, weight, out, p, c10::cuda::getCurrentCUDAStream());
 }

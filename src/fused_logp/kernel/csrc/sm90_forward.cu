@@ -130,7 +130,7 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 // its producer warpgroup (producer_logits in stats_epilogue.cuh), except cta-192x192 (tall_kernel.cuh), whose
 // consumer warps store them; "pingpong-RxC", the persistent ping-pong kernel with R x C consumer tiles, whose
 // consumer warps store the logits (pingpong_kernel.cuh), with "-mc2" in clusters of two CTAs that share each weight
-// tile by multicast; "swapab-128", the swapped-operand kernel (the weight as the wgmma's A operand, 128 rows a CTA;
+// tile by multicast, and with "-dyn" on the dynamic schedule (each CTA claims its next tile from a counter); "swapab-128", the swapped-operand kernel (the weight as the wgmma's A operand, 128 rows a CTA;
 // swap_kernel.cuh), whose consumer warps store the logits. None changes a bit. One table gives the names for Python
 // (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
@@ -159,6 +159,8 @@ static const NamedLaunch kLaunches[] = {
     {"swapab-128", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
        launch_swap(h, w, p, s);
      }},
+    {"pingpong-128x192-dyn", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p,
+                                cudaStream_t s) { launch_pingpong(h, w, p, s, true); }},
 };
 
 std::vector<std::string> launch_names() {
