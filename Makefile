@@ -82,7 +82,7 @@ bench-fwd-peers: peer-site
 # findings (compute-sanitizer --error-exitcode 9) are listed in $OUT/sanitizer-findings.txt and fail the round after
 # the benchmark has run.
 SMOKE_SHAPE ?= 300,320,12160,12000
-SMOKE_DZ_LAUNCHES ?= cta-128x256,pingpong-128x192
+SMOKE_DZ_LAUNCHES ?= cta-128x256,pingpong-128x192,pingpong-128x192-dyn
 # full tiles without bias: the producer stores' unchecked path
 SMOKE_NOBIAS_SHAPE ?= 256,320,12288,12288
 # the extension built (or loaded) once; exit 4 when the backend is unavailable
