@@ -16,8 +16,8 @@ timeout ${BUILD_TIMEOUT:-330} python3 -P -c "from fused_logp.kernel.sm90 import 
 timeout 170 python3 -P -m pytest -v -x -p no:cacheprovider tests/sm90/test_sm90.py tests/backward/test_backward_gpu.py \
   -k "${GUARD_TESTS:-launch_names or register_store or swapped_operands or pingpong_dz or dz_kernel}" > "$OUT/guard.txt" 2>&1
 rc=$?; step guard $rc; grep -E "FAILED|passed|failed|Timeout" "$OUT/guard.txt" | tail -6; [ $rc = 0 ] || exit $rc
-timeout ${AB_TIMEOUT:-200} python3 -P bench/ab_launches.py --n "${AB_N:-129,192,256,320,2048,8192}" \
-  --launches "${AB_LAUNCHES:-gemm,auto,cta-128x256,cta-64x256,pingpong-128x192,cta-192x192,swapab-128,pingpong-128x192-mc2,pingpong-128x192-mc2+mainloop}" \
+timeout ${AB_TIMEOUT:-200} python3 -P bench/ab_launches.py --n "${AB_N:-2048,4096,8192,16384}" \
+  --launches "${AB_LAUNCHES:-gemm,cta-128x256,pingpong-128x192,pingpong-128x192-dyn,pingpong-128x192-dyn+mainloop}" \
   --out "$OUT" --tag t1 > "$OUT/ab-t1.log" 2>&1; step ab-t1 $?
 python3 - "$OUT/ab-t1.json" <<'PY'
 import json, sys
@@ -30,7 +30,7 @@ for n, v in d["n"].items():
     print(n, {k: (round(x["median_ms"], 3), round(x["median_ms"] / g, 3) if g else None) for k, x in v.items()})
 PY
 timeout ${DZ_TIMEOUT:-200} python3 -P bench/benchmark_linear_logp_backward.py --n ${DZ_N:-8192} \
-  --dz-launches "${DZ_AB:-cta-128x256,pingpong-128x192}" --out "$OUT/backward-dz.json" > "$OUT/backward-dz.txt" 2>&1
+  --dz-launches "${DZ_AB:-cta-128x256,pingpong-128x192,pingpong-128x192-dyn}" --out "$OUT/backward-dz.json" > "$OUT/backward-dz.txt" 2>&1
 step dz-ab $?; tail -6 "$OUT/backward-dz.txt"
 case " ${STEPS-} " in *" tests "*)
   make --no-print-directory test-gpu > "$OUT/tests-gpu.txt" 2>&1; step test-gpu $?; tail -2 "$OUT/tests-gpu.txt";;

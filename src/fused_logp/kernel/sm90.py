@@ -22,36 +22,29 @@ from .sm90_aux import SM90Aux, SM90TestHooks
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_64x256.cu",
-            "sm90_cta_64x128.cu", "sm90_pingpong_128x192.cu", "sm90_cta_192x192.cu",
-            "sm90_pingpong_128x192_mc2.cu", "sm90_swapab_128.cu", "sm90_backward.cu", "sm90_transforms.cu",
-            "sm90_fingerprint.cu")
+            "sm90_cta_64x128.cu", "sm90_pingpong_128x192.cu", "sm90_swapab_128.cu", "sm90_backward.cu",
+            "sm90_transforms.cu", "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
 # Launch configurations of the forward kernel (free axes: schedule and tile; none changes a bit), by the name the
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
 # of them, chosen by row count. With return_logits, the producer warpgroup of a cta-* configuration stores the logits
-# while the consumer warps compute the statistics; in pingpong-128x192 (and its clusters of two CTAs,
-# pingpong-128x192-mc2) the consumer warps store them after each slice's statistics, in swapab-128 after each tile's
+# while the consumer warps compute the statistics; in pingpong-128x192 (and pingpong-128x192-dyn, the same kernel on
+# the dynamic schedule) the consumer warps store them after each slice's statistics, in swapab-128 after each tile's
 # statistics (docs/design/sm90-kernel.md).
-LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2",
-            "swapab-128", "pingpong-128x192-dyn")
+LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swapab-128", "pingpong-128x192-dyn")
 
 # Configurations that are built but not (yet) kept: a call naming one is refused unless FUSED_LOGP_CANDIDATE_LAUNCHES=1
-# (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto" never picks one. Both passed `make
-# test-gpu` and the sanitizers on an H100 and lost its A/B there (docs/design/sm90-kernel.md), and wait for an H200's:
-# cta-192x192, one CTA per 192 x 192 tile, for batches of 129-192 rows (tall_kernel.cuh); pingpong-128x192-mc2, the
-# ping-pong kernel in clusters of two CTAs along M, each weight tile loaded half by each CTA and multicast into both
-# (pingpong_kernel.cuh, CLUSTER = 2), for N >= 2048. Not yet run on a GPU: pingpong-128x192-dyn, the ping-pong
-# kernel on the dynamic schedule (each CTA claims its next tile from a counter, so that the tiles in flight stay a
-# window of the raster), for N >= 2048.
-CANDIDATE_LAUNCHES: frozenset = frozenset({"cta-192x192", "pingpong-128x192-mc2", "pingpong-128x192-dyn"})
+# (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto" never picks one. Not yet run on a GPU:
+# pingpong-128x192-dyn, the ping-pong kernel on the dynamic schedule (each CTA claims its next tile from a counter, so
+# that the tiles in flight stay a window of the raster), for N >= 2048.
+CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192-dyn"})
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
-# kernels, the 192-row CTA kernel and the swapped-operand kernel); other calls naming one are refused before the
-# launch (and by the extension).
-_MULTIPLE_OF_64 = frozenset({"pingpong-128x192", "cta-192x192", "pingpong-128x192-mc2", "swapab-128",
-                             "pingpong-128x192-dyn"})
+# kernel on either schedule and the swapped-operand kernel); other calls naming one are refused before the launch (and
+# by the extension).
+_MULTIPLE_OF_64 = frozenset({"pingpong-128x192", "swapab-128", "pingpong-128x192-dyn"})
 
 
 def _takes_shape(name: str, d: int, width: int) -> bool:

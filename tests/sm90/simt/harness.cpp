@@ -9,7 +9,6 @@
 #include "logits_stats.cuh"
 #include "pingpong_kernel.cuh"
 #include "row_merge.cuh"
-#include "tall_kernel.cuh"
 #include "stats_epilogue.cuh"
 #include "swap_kernel.cuh"
 
@@ -85,25 +84,6 @@ void pingpong_tiles(const float* z, const FusedParams& p) {
   pingpong_halves(z, p, [&](float(&acc)[sm90::PingPongCfg::HALF_ACC], int row0, int n0) {
     sm90::half_epilogue<LOGITS>(acc, p, row0, n0);
   });
-}
-
-// cta-192x192 (tall_kernel.cuh): per 192 x 192 tile, consumer 0's halves at rows m0 and m0 + 64, consumer 1's at
-// m0 + 128, each half's epilogue only where its first row is real, as the kernel calls them.
-template <bool LOGITS>
-void tall_tiles(const float* z, const FusedParams& p) {
-  using C = sm90::TallCfg;
-  simt::Block block(128);
-  for (int m0 = 0; m0 < p.n_rows; m0 += C::BM)
-    for (int n0 = 0; n0 < p.n_real; n0 += C::BN)
-      for (int c = 0; c < 2; ++c)
-        block.run([&](unsigned t) {
-          const int row0 = m0 + 128 * c;
-          float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
-          place(acc0, C::BN, t, z, p.n_rows, p.n_real, row0, n0);
-          place(acc1, C::BN, t, z, p.n_rows, p.n_real, row0 + 64, n0);
-          if (row0 < p.n_rows) sm90::half_epilogue<LOGITS>(acc0, p, row0, n0);
-          if (c == 0 && row0 + 64 < p.n_rows) sm90::half_epilogue<LOGITS>(acc1, p, row0 + 64, n0);
-        });
 }
 
 // swapab-128 (swap_kernel.cuh): per CTA (row tile n0 of NR rows, weight rows vbase + [0, 128)), warp 1's row inputs
@@ -219,8 +199,8 @@ float simt_ex2(float x) { return simt::ex2_model(x); }
 
 // The forward statistics of z [n_rows, n_real] (fp32 GEMM logits without the bias), every tile of the launch
 // configuration `config`: 0 cta-128x256 (consumer tiles 64 x 256), 1 cta-64x256 (64 x 128), 2 cta-64x128 (64 x 64),
-// 3 pingpong-128x192, 4 cta-192x192, 5 swapab-128 (for these three, logits is null or [n_rows, n_real]). -> 0, or -1
-// for an unknown configuration.
+// 3 pingpong-128x192, 5 swapab-128 (for these two, logits is null or [n_rows, n_real]). -> 0, or -1 for an unknown
+// configuration (4 was the 192-row CTA kernel, deleted).
 int simt_forward_stats(int config, const float* z, int n_rows, int n_real, long long vocab_start,
                        const int64_t* targets, const float* temperature, const float* bias, float* tile_max,
                        float* tile_sum, float* target_logit, float* logits) {
@@ -233,10 +213,6 @@ int simt_forward_stats(int config, const float* z, int n_rows, int n_real, long 
     case 3:
       if (logits != nullptr) pingpong_tiles<true>(z, p);
       else pingpong_tiles<false>(z, p);
-      return 0;
-    case 4:
-      if (logits != nullptr) tall_tiles<true>(z, p);
-      else tall_tiles<false>(z, p);
       return 0;
     case 5:
       if (logits != nullptr) swap_launch<true>(z, p);

@@ -127,12 +127,11 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 
 // The launch configurations of the fused kernel, by name (kernel/sm90.py LAUNCHES, where "auto" is resolved by row
 // count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns), in which the logits are stored by
-// its producer warpgroup (producer_logits in stats_epilogue.cuh), except cta-192x192 (tall_kernel.cuh), whose
-// consumer warps store them; "pingpong-RxC", the persistent ping-pong kernel with R x C consumer tiles, whose
-// consumer warps store the logits (pingpong_kernel.cuh), with "-mc2" in clusters of two CTAs that share each weight
-// tile by multicast, and with "-dyn" on the dynamic schedule (each CTA claims its next tile from a counter); "swapab-128", the swapped-operand kernel (the weight as the wgmma's A operand, 128 rows a CTA;
-// swap_kernel.cuh), whose consumer warps store the logits. None changes a bit. One table gives the names for Python
-// (launch_names), the dispatch and the refusal.
+// its producer warpgroup (producer_logits in stats_epilogue.cuh); "pingpong-RxC", the persistent ping-pong kernel with
+// R x C consumer tiles, whose consumer warps store the logits (pingpong_kernel.cuh), with "-dyn" on the dynamic
+// schedule (each CTA claims its next tile from a counter); "swapab-128", the swapped-operand kernel (the weight as the
+// wgmma's A operand, 128 rows a CTA; swap_kernel.cuh), whose consumer warps store the logits. None changes a bit. One
+// table gives the names for Python (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 struct NamedLaunch {
   const char* name;
@@ -151,11 +150,6 @@ static const NamedLaunch kLaunches[] = {
     {"pingpong-128x192", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
        launch_pingpong(h, w, p, s);
      }},
-    {"cta-192x192", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
-       launch_tall(h, w, p, s);
-     }},
-    {"pingpong-128x192-mc2", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p,
-                                cudaStream_t s) { launch_pingpong_mc2(h, w, p, s); }},
     {"swapab-128", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p, cudaStream_t s) {
        launch_swap(h, w, p, s);
      }},
