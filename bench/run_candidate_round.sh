@@ -4,8 +4,9 @@
 # returns them: the extension build; the candidates' byte tests as a hang guard (GUARD_TESTS, a pytest -k expression
 # over test_sm90.py and test_backward_gpu.py; 170 s); the forward A/B at T = 1 (bench/ab_launches.py, AB_N rows,
 # AB_LAUNCHES, 7 interleaved rounds; ab-t1.json); the backward with the dz configurations in interleaved rounds
-# (DZ_N rows, DZ_AB; backward-dz.json); then, where STEPS names them, `make test-gpu` (tests) and the sanitizers
-# (sanitizers). Logs under $OUT, a line per step with its exit status and the time.
+# (DZ_N rows, DZ_AB; backward-dz.json); then, where STEPS names them, the DRAM traffic of NCU_LAUNCHES at NCU_N rows
+# under Nsight Compute, with the statistics and their mainloop alone (ncu; ncu.txt), `make test-gpu` (tests) and the
+# sanitizers (sanitizers). Logs under $OUT, a line per step with its exit status and the time.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests FUSED_LOGP_CANDIDATE_LAUNCHES=1
@@ -32,6 +33,16 @@ PY
 timeout ${DZ_TIMEOUT:-200} python3 -P bench/benchmark_linear_logp_backward.py --n ${DZ_N:-8192} \
   --dz-launches "${DZ_AB:-cta-128x256,pingpong-128x192,pingpong-128x192-dyn}" --out "$OUT/backward-dz.json" > "$OUT/backward-dz.txt" 2>&1
 step dz-ab $?; tail -6 "$OUT/backward-dz.txt"
+case " ${STEPS-} " in *" ncu "*)
+  for L in $(echo "${NCU_LAUNCHES:-pingpong-128x192,pingpong-128x192-dyn,cta-128x256}" | tr , ' '); do
+    for M in "" --mainloop-only; do
+      echo "== $L N=${NCU_N:-8192} $M"
+      timeout 60 ncu --metrics gpu__time_duration.sum,dram__bytes_write.sum,dram__bytes_read.sum,lts__t_sectors_op_write.sum \
+        --kernel-name regex:"pingpong_kernel|fused_cta_kernel" --launch-count 1 \
+        python3 -P bench/profile_forward.py --n "${NCU_N:-8192}" --launch "$L" --seconds 0.2 $M 2>&1 | grep -E "dram__|lts__|gpu__time"
+    done
+  done > "$OUT/ncu.txt" 2>&1; step ncu $?; cat "$OUT/ncu.txt";;
+esac
 case " ${STEPS-} " in *" tests "*)
   make --no-print-directory test-gpu > "$OUT/tests-gpu.txt" 2>&1; step test-gpu $?; tail -2 "$OUT/tests-gpu.txt";;
 esac
