@@ -99,10 +99,21 @@ void launch_kernel(void (*kern)(Params...), long long blocks, int smem, cudaStre
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The entry checks of a kernel whose consumer warps keep 64-row halves in registers (launch `name`: the ping-pong and
-// the 192-row CTA kernels), and its tile counts: D a multiple of 64 (every stage holds 4 k16 groups), n_real a
-// multiple of 64 (a 64-column slice is all real or all beyond it) and the logits 8-byte aligned (stored as pairs).
-// -> p with num_m, num_n for bm x bn tiles.
+// The dynamic schedule's tile counter (pingpong_kernel.cuh), set into q.tile_counter: a 4-byte counter on `like`'s
+// device, zeroed on the current stream; the caller keeps the returned tensor until the launch is issued (the caching
+// allocator orders its reuse on the stream). Not dynamic: q.tile_counter null (the static schedule), no tensor.
+inline torch::Tensor set_tile_counter(FusedParams& q, const torch::Tensor& like, bool dynamic) {
+  q.tile_counter = nullptr;
+  if (!dynamic) return torch::Tensor();
+  torch::Tensor counter = torch::zeros({1}, like.options().dtype(torch::kInt32));
+  q.tile_counter = reinterpret_cast<unsigned*>(counter.data_ptr<int32_t>());
+  return counter;
+}
+
+// The entry checks of a kernel whose consumer warps keep their tiles in registers (launch `name`: the ping-pong kernel
+// on either schedule, the swapped-operand kernel), and its tile counts: D a multiple of 64 (every stage holds 4 k16
+// groups), n_real a multiple of 64 (a 64-column slice is all real or all beyond it) and the logits 8-byte aligned
+// (stored as pairs). -> p with num_m, num_n for bm x bn tiles.
 inline FusedParams register_tile_params(const FusedParams& p, const char* name, int bm, int bn) {
   TORCH_CHECK(p.d % kBK == 0, "sm90: launch ", name, " takes D a multiple of 64, got D = ", num(p.d));
   TORCH_CHECK(p.n_real % kTile == 0, "sm90: launch ", name, " takes a vocabulary (shard) width that is a multiple "

@@ -47,9 +47,7 @@ void launch_dz_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight
   const char* name = dynamic ? "pingpong-128x192-dyn" : "pingpong-128x192";
   TORCH_CHECK(p.d % kBK == 0, "sm90 backward: launch ", name, " takes D a multiple of 64, got D = ", num(p.d));
   FusedParams q = p;
-  // the dynamic schedule's counter, 0 at the launch (stream-ordered: freed to the caching allocator after the launch)
-  const torch::Tensor counter = dynamic ? torch::zeros({1}, hidden.options().dtype(torch::kInt32)) : torch::Tensor();
-  q.tile_counter = dynamic ? reinterpret_cast<unsigned*>(counter.data_ptr<int32_t>()) : nullptr;
+  const torch::Tensor counter = set_tile_counter(q, hidden, dynamic);
   q.num_m = (p.n_rows + C::BM - 1) / C::BM;
   q.num_n = (p.n_real + C::BN - 1) / C::BN;
   const long long tiles = static_cast<long long>(q.num_m) * q.num_n;

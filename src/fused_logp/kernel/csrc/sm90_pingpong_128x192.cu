@@ -10,9 +10,7 @@ void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, c
   using C = PingPongCfg;
   FusedParams q = register_tile_params(p, dynamic ? "pingpong-128x192-dyn" : "pingpong-128x192", C::BM, C::BN);
   const long long tiles = static_cast<long long>(q.num_m) * q.num_n;
-  // the dynamic schedule's counter, 0 at the launch (stream-ordered: freed to the caching allocator after the launch)
-  const torch::Tensor counter = dynamic ? torch::zeros({1}, hidden.options().dtype(torch::kInt32)) : torch::Tensor();
-  q.tile_counter = dynamic ? reinterpret_cast<unsigned*>(counter.data_ptr<int32_t>()) : nullptr;
+  const torch::Tensor counter = set_tile_counter(q, hidden, dynamic);
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN);
   launch_kernel(p.logits != nullptr ? pingpong_kernel<true> : pingpong_kernel<false>,
