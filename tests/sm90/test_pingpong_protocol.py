@@ -43,6 +43,47 @@ def _drive(rnd, agents, pending, land, steps, stuck):
     raise Fault(stuck)
 
 
+def _passed(completed, parity):
+    """mbarrier.try_wait.parity on a barrier that has completed `completed` phases."""
+    return (completed & 1) != parity
+
+
+def _order_wait(bars, c):
+    """Consumer c's `bar.sync` at its order barrier (bars[c] = [signals, waits] of the current generation)."""
+    bars[c][1] += 1
+    if bars[c][1] != 1:
+        raise Fault("two waits in one generation of an order barrier")
+    while bars[c][0] < 1:
+        yield
+    bars[c][0] -= 1
+    bars[c][1] -= 1
+
+
+def _order_signal(bars, c):
+    """Consumer c's `bar.arrive` at the other consumer's order barrier."""
+    bars[1 - c][0] += 1
+    if bars[1 - c][0] != 1:
+        raise Fault("a second signal before the wait of the first")
+
+
+def _mainloop(full, empty, content, c, i, kblocks):
+    """Consumer c's mainloop of the CTA's i-th tile: each K block's full wait (its fill must be the one waited for),
+    the previous K block's stage released one behind, the last released at the end."""
+    held = None
+    for kb in range(kblocks):
+        q = i * kblocks + kb
+        s = q % STAGES
+        while not _passed(full[s], (q // STAGES) & 1):
+            yield
+        if content[s] != q:
+            raise Fault(f"consumer {c} read fill {content[s]} of stage {s} for fill {q}")
+        if held is not None:
+            empty[held] += 1             # the previous K block's stage
+        held = s
+        yield
+    empty[held] += 1
+
+
 def _run(tiles, grid, kblocks, seed, *, order=True, producer_parity_flip=False):
     rnd = random.Random(seed)
     for block in range(grid):
@@ -52,14 +93,11 @@ def _run(tiles, grid, kblocks, seed, *, order=True, producer_parity_flip=False):
         issued = []                                 # (stage, seq) TMA loads not yet complete
         bars = {0: [0, 0], 1: [0, 0]}               # order barrier kOrderBar + c: [signals, waits] of this generation
 
-        def passed(completed, parity):              # mbarrier.try_wait.parity
-            return (completed & 1) != parity
-
         def producer():
             for q in range(n * kblocks):
                 s = q % STAGES
                 parity = ((q // STAGES) & 1) ^ (0 if producer_parity_flip else 1)
-                while not passed(empty[s], parity):
+                while not _passed(empty[s], parity):
                     yield
                 issued.append((s, q))
                 yield
@@ -67,30 +105,10 @@ def _run(tiles, grid, kblocks, seed, *, order=True, producer_parity_flip=False):
         def consumer(c):
             for i in range(c, n, 2):
                 if order and i > 0:
-                    bars[c][1] += 1
-                    if bars[c][1] != 1:
-                        raise Fault("two waits in one generation of an order barrier")
-                    while bars[c][0] < 1:
-                        yield
-                    bars[c][0] -= 1
-                    bars[c][1] -= 1
-                held = None
-                for kb in range(kblocks):
-                    q = i * kblocks + kb
-                    s = q % STAGES
-                    while not passed(full[s], (q // STAGES) & 1):
-                        yield
-                    if content[s] != q:
-                        raise Fault(f"consumer {c} read fill {content[s]} of stage {s} for fill {q}")
-                    if held is not None:
-                        empty[held] += 1             # the previous K block's stage
-                    held = s
-                    yield
-                empty[held] += 1
+                    yield from _order_wait(bars, c)
+                yield from _mainloop(full, empty, content, c, i, kblocks)
                 if order and i + 1 < n:
-                    bars[1 - c][0] += 1
-                    if bars[1 - c][0] != 1:
-                        raise Fault("a second signal before the wait of the first")
+                    _order_signal(bars, c)
                 yield
 
         def land(item):
@@ -138,9 +156,6 @@ def _run_dynamic(tiles, grid, kblocks, seed, *, slots=TILE_SLOTS, peek=True):
     computed = []
     agents, issued, lands = [], [], {}
 
-    def passed(completed, parity):
-        return (completed & 1) != parity
-
     for block in range(min(grid, tiles)):
         st = {"full": [0] * STAGES, "empty": [0] * STAGES, "content": [None] * STAGES,
               "posted": [0] * slots, "unit": [None] * slots, "sent": {}, "bars": {0: [0, 0], 1: [0, 0]}}
@@ -156,7 +171,7 @@ def _run_dynamic(tiles, grid, kblocks, seed, *, slots=TILE_SLOTS, peek=True):
                 st["posted"][i % slots] += 1
                 for _ in range(kblocks):
                     s = seq % STAGES
-                    while not passed(st["empty"][s], ((seq // STAGES) & 1) ^ 1):
+                    while not _passed(st["empty"][s], ((seq // STAGES) & 1) ^ 1):
                         yield
                     issued.append((block, s, seq))
                     seq += 1
@@ -170,7 +185,7 @@ def _run_dynamic(tiles, grid, kblocks, seed, *, slots=TILE_SLOTS, peek=True):
 
         def unit_at(i, c, st=st):
             k = i % slots
-            while not passed(st["posted"][k], (i // slots) & 1):
+            while not _passed(st["posted"][k], (i // slots) & 1):
                 yield
             if st["unit"][k] != st["sent"].get(i):
                 raise Fault(f"consumer {c} read slot {k} = {st['unit'][k]} for index {i}, posted {st['sent'].get(i)}")
@@ -184,32 +199,12 @@ def _run_dynamic(tiles, grid, kblocks, seed, *, slots=TILE_SLOTS, peek=True):
                 if u >= tiles:
                     return
                 if i > 0:
-                    bars[c][1] += 1
-                    if bars[c][1] != 1:
-                        raise Fault("two waits in one generation of an order barrier")
-                    while bars[c][0] < 1:
-                        yield
-                    bars[c][0] -= 1
-                    bars[c][1] -= 1
-                held = None
-                for kb in range(kblocks):
-                    q = i * kblocks + kb
-                    s = q % STAGES
-                    while not passed(st["full"][s], (q // STAGES) & 1):
-                        yield
-                    if st["content"][s] != q:
-                        raise Fault(f"consumer {c} read fill {st['content'][s]} of stage {s} for fill {q}")
-                    if held is not None:
-                        st["empty"][held] += 1
-                    held = s
-                    yield
-                st["empty"][held] += 1
+                    yield from _order_wait(bars, c)
+                yield from _mainloop(st["full"], st["empty"], st["content"], c, i, kblocks)
                 computed.append(u)
                 nxt = yield from unit_at(i + 1, c)
                 if nxt < tiles or not peek:
-                    bars[1 - c][0] += 1
-                    if bars[1 - c][0] != 1:
-                        raise Fault("a second signal before the wait of the first")
+                    _order_signal(bars, c)
                 yield
                 i += 2
 
