@@ -6,7 +6,9 @@ between the first rounds of a size and the later ones, so a ratio to the GEMM is
 writes (OUT/ab.json) the per-configuration medians and every round's figure. Single runs of the forward benchmark
 differ by up to ~4% on the H200 machine; this is the comparison to use for differences of that size. Defaults: D=4096,
 V=151936, T=1, bf16 random inputs.
-A name NAME+mainloop times configuration NAME's mainloop alone (the timing hook, no statistics).
+A name NAME+mainloop times configuration NAME's mainloop alone (the timing hook, no statistics); NAME+late, a
+ping-pong configuration with its order barrier signalled once a mainloop's wgmmas complete (the timing hook; the
+kernels signal once they are issued). Suffixes combine: NAME+late+mainloop.
 Usage: PYTHONPATH=src python -P bench/ab_launches.py [--n 2048,8192] [--launches gemm,a,b] [--rounds 7] [--iters 10]
        [--temperature 0.7] [--return-logits] [--tag t07]   (writes OUT/ab.json, or OUT/ab-TAG.json)"""
 import argparse
@@ -37,6 +39,11 @@ def main():
     args = ap.parse_args()
     be = backend("ab_launches")
     names = [x for x in args.launches.split(",") if x]
+    for name in names:
+        unknown = set(name.split("+")[1:]) - {"late", "mainloop"}
+        if unknown:
+            raise SystemExit(f"ab_launches: --launches {name!r} has unknown suffixes {sorted(unknown)}; "
+                             "accepted: +late, +mainloop")
     res = {"d": args.d, "vocab": args.vocab, "temperature": args.temperature, "return_logits": args.return_logits,
            "rounds": args.rounds, "iters": args.iters, "n": {}}
     for n in [int(x) for x in args.n.split(",")]:
@@ -49,15 +56,16 @@ def main():
             torch.mm(h, w.t())
 
         def set_launch(name):
-            if name != "gemm":     # NAME+mainloop: the timing hook (the mainloop without the statistics)
-                be.launch, be.mainloop_only = name.split("+")[0], name.endswith("+mainloop")
+            if name != "gemm":     # NAME[+late][+mainloop]: the timing hooks
+                base, *hooks = name.split("+")
+                be.launch, be.mainloop_only, be.late_order_signal = base, "mainloop" in hooks, "late" in hooks
 
         times = interleaved_rounds({name: gemm if name == "gemm" else ours for name in names}, args.rounds,
                                    args.iters, before=set_launch)
         res["n"][n] = {name: {"median_ms": round(statistics.median(v), 3), "all": [round(x, 3) for x in v]}
                        for name, v in times.items()}
         print(n, json.dumps(res["n"][n]), flush=True)
-    be.launch, be.mainloop_only = "auto", False
+    be.launch, be.mainloop_only, be.late_order_signal = "auto", False, False
     with open(os.path.join(args.out, f"ab-{args.tag}.json" if args.tag else "ab.json"), "w") as f:
         json.dump(res, f, indent=1)
 

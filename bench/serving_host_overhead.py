@@ -86,7 +86,7 @@ def main():
                 "head: SM90Backend.logits_and_stats": lambda: be.logits_and_stats(
                     h, w, zeros=zeros, ones=ones, vocab_size=v, bias=None),
                 "head: ext.fused_stats, outputs preallocated": lambda: ext.fused_stats(
-                    h, w, zeros, ones, None, 0, v, tm, ts, sc, lg, lid, False),
+                    h, w, zeros, ones, None, 0, v, tm, ts, sc, lg, lid, 0),
                 "head: ext.logits_and_stats (outputs by the extension)": lambda: ext.logits_and_stats(
                     h, w, zeros, ones, None, v, lid, None),
                 "columns: log_softmax + gather (torch)": lambda: z.log_softmax(-1).gather(1, ids),

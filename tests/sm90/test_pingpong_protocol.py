@@ -1,8 +1,8 @@
 """The synchronisation of the persistent ping-pong kernel (kernel/csrc/pingpong_kernel.cuh), transcribed wait for wait
 and run under random interleavings on the CPU: the producer's `empty` waits, the TMA fills completing in any order
 and at any later time, each consumer's `full` waits, stage releases one K block behind (`wgmma.wait_group 1`), and
-the order barriers (a consumer's `bar.sync` before each mainloop but its first, the other's `bar.arrive` after each
-mainloop with a successor tile). Checks: every consumer reads the fill it waited for (no mbarrier parity wait passes
+the order barriers (a consumer's `bar.sync` before each mainloop but its first, the other's `bar.arrive` once each
+mainloop with a successor tile has issued its last wgmma, before the release of its last stage). Checks: every consumer reads the fill it waited for (no mbarrier parity wait passes
 a phase early), no named-barrier generation sees two signals or two waits, and every schedule finishes. A change
 to the kernel's waits is a change to this transcription. The negative tests show the model catches the failures it
 checks for.
@@ -68,7 +68,8 @@ def _order_signal(bars, c):
 
 def _mainloop(full, empty, content, c, i, kblocks):
     """Consumer c's mainloop of the CTA's i-th tile: each K block's full wait (its fill must be the one waited for),
-    the previous K block's stage released one behind, the last released at the end."""
+    the previous K block's stage released one behind. -> the last K block's stage, which the caller releases after
+    the order signal (the kernel signals once it has issued the last wgmma, and waits for them before the release)."""
     held = None
     for kb in range(kblocks):
         q = i * kblocks + kb
@@ -81,7 +82,7 @@ def _mainloop(full, empty, content, c, i, kblocks):
             empty[held] += 1             # the previous K block's stage
         held = s
         yield
-    empty[held] += 1
+    return held
 
 
 def _run(tiles, grid, kblocks, seed, *, order=True, producer_parity_flip=False):
@@ -106,9 +107,11 @@ def _run(tiles, grid, kblocks, seed, *, order=True, producer_parity_flip=False):
             for i in range(c, n, 2):
                 if order and i > 0:
                     yield from _order_wait(bars, c)
-                yield from _mainloop(full, empty, content, c, i, kblocks)
+                last = yield from _mainloop(full, empty, content, c, i, kblocks)
                 if order and i + 1 < n:
                     _order_signal(bars, c)
+                yield
+                empty[last] += 1
                 yield
 
         def land(item):
@@ -200,11 +203,13 @@ def _run_dynamic(tiles, grid, kblocks, seed, *, slots=TILE_SLOTS, peek=True):
                     return
                 if i > 0:
                     yield from _order_wait(bars, c)
-                yield from _mainloop(st["full"], st["empty"], st["content"], c, i, kblocks)
+                last = yield from _mainloop(st["full"], st["empty"], st["content"], c, i, kblocks)
                 computed.append(u)
                 nxt = yield from unit_at(i + 1, c)
                 if nxt < tiles or not peek:
                     _order_signal(bars, c)
+                yield
+                st["empty"][last] += 1
                 yield
                 i += 2
 

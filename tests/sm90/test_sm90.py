@@ -476,18 +476,20 @@ def test_launch_names_are_the_extensions(be, cgen):
     with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-64x256, "
                                            "cta-64x128, pingpong-128x192, swapab-128, pingpong-128x192-dyn; "
                                            "got 'cta-96x256'"):
-        ext.fused_stats(h, w, tg, t, None, 0, 128, out[0], out[1], out[2], None, "cta-96x256", False)
+        ext.fused_stats(h, w, tg, t, None, 0, 128, out[0], out[1], out[2], None, "cta-96x256", 0)
     # the extension refuses what the ping-pong kernel does not take, as the backend does before it
     h80, w80, _, _ = make_inputs(cgen, 3, 80, 128)
     with pytest.raises(RuntimeError, match="pingpong-128x192 takes D a multiple of 64, got D = 80"):
-        ext.fused_stats(h80, w80, tg, t, None, 0, 128, out[0], out[1], out[2], None, "pingpong-128x192", False)
+        ext.fused_stats(h80, w80, tg, t, None, 0, 128, out[0], out[1], out[2], None, "pingpong-128x192", 0)
     out3 = [torch.empty(3, 3, device="cuda"), torch.empty(3, 3, device="cuda"), torch.empty(3, device="cuda")]
     w130 = torch.cat([w, w[:2]]).contiguous()
     with pytest.raises(RuntimeError, match="multiple of 64, got 130"):
-        ext.fused_stats(h, w130, tg, t, None, 0, 130, out3[0], out3[1], out3[2], None, "pingpong-128x192", False)
+        ext.fused_stats(h, w130, tg, t, None, 0, 130, out3[0], out3[1], out3[2], None, "pingpong-128x192", 0)
     # a message with numbers in it raises (they are formatted by num(), launch.cuh), for an output of the wrong shape
     with pytest.raises(RuntimeError, match=r"tile_max must be a contiguous CUDA float32 \[3, 2\] tensor"):
-        ext.fused_stats(h, w, tg, t, None, 0, 128, out3[0], out[1], out[2], None, "cta-128x256", False)
+        ext.fused_stats(h, w, tg, t, None, 0, 128, out3[0], out[1], out[2], None, "cta-128x256", 0)
+    with pytest.raises(RuntimeError, match=r"hooks must be in \[0, 3\]; got 4"):
+        ext.fused_stats(h, w, tg, t, None, 0, 128, out[0], out[1], out[2], None, "cta-128x256", 4)
 
 
 @pytest.mark.parametrize("n,d,v,pad", [(1, 4096, 151936, 64), (7, 256, 4000 + 33, 30), (300, 512, 9000, 0)])

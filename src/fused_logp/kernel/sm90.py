@@ -178,8 +178,10 @@ class SM90Backend:
         self.dz_launch = "auto"
         # Whether a call may name a configuration of CANDIDATE_LAUNCHES or DZ_CANDIDATE_LAUNCHES.
         self.allow_candidates = os.environ.get("FUSED_LOGP_CANDIDATE_LAUNCHES") == "1"
-        # Benchmarks only: run the mainloop without the statistics (the outputs are then meaningless).
+        # Benchmarks only: run the mainloop without the statistics (the outputs are then meaningless); signal the
+        # ping-pong kernels' order barrier once a mainloop's wgmmas complete instead of once they are issued.
         self.mainloop_only = False
+        self.late_order_signal = False
         # Tests set an int32 NaN pattern: outputs are filled with it before each launch (unwritten ones show).
         self.poison: int | None = None
         # The auxiliary kernels and the test hooks (kernel/sm90_aux.py), over this backend's extension and buffers.
@@ -274,7 +276,8 @@ class SM90Backend:
         tile_sum = self._empty(n, nt, device=hidden.device)
         logits = self._empty(n, n_real, device=hidden.device) if return_logits else None
         ext.fused_stats(hidden, weight, targets.contiguous(), temperature.contiguous(), bias, vocab_start, n_real,
-                        tile_max, tile_sum, target_logit, logits, launch, self.mainloop_only)
+                        tile_max, tile_sum, target_logit, logits, launch,
+                        int(self.mainloop_only) | 2 * int(self.late_order_signal))
         return tile_max, tile_sum, logits
 
     def linear_logp(self, hidden, weight, targets, *, bias, temperature, return_logits, vocab_size):

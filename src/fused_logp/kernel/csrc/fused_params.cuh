@@ -35,6 +35,7 @@ struct FusedParams {
   float* logits;      // [N, n_real] or null
   int logits_vec4;    // logits may be written as 16-byte quads (n_real % 4 == 0, 16-byte aligned start)
   int skip_epilogue;  // timing hook only (bench): mainloop without statistics
+  int late_order_signal;  // timing hook only (bench): the ping-pong kernels' order signal after the wgmmas complete
   // The persistent ping-pong kernels' tile claims (pingpong_kernel.cuh): null, the static schedule; else a counter
   // that is 0 at the launch, from which each CTA claims its tiles after its first (the dynamic schedule).
   unsigned* tile_counter;

@@ -12,10 +12,11 @@
 // memory stages. Consumer warpgroup c owns the CTA's tiles i with i % 2 == c, each a whole 128 x 192 tile: two
 // m64n192k16 halves (rows [0, 64) and [64, 128)) that share the stage's B. The two consumers' mainloops run in tile
 // order, one at a time (named barriers kOrderBar + c: consumer c waits at its own before each mainloop but its first,
-// and signals the other's after each mainloop that has a successor tile, so that every signal has exactly one wait);
+// and signals the other's once it has issued the last wgmma of each mainloop that has a successor tile, so that every
+// signal has exactly one wait and the tensor cores run the two consumers' wgmmas back to back);
 // after its mainloop a consumer computes its tile's statistics from its registers while the other consumer's mainloop
 // runs. The order also keeps every mbarrier parity wait within one phase: a consumer waits on a stage's fill k only
-// once fill k - STAGES has been consumed.
+// once the wait for fill k - STAGES has passed.
 //
 // The statistics run one 64-column slice at a time (half_epilogue): the accumulators of columns [64 k, 64 k + 64) of
 // a 64-row half are acc[32 k .. 32 k + 32) and have the register layout of a 64 x 64 warpgroup tile, so
@@ -199,11 +200,11 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
     int mt, ntile;
     tile_coords(t, p.num_m, p.num_n, mt, ntile);
     const int m0 = mt * C::BM, n0 = ntile * C::BN;
-    if (i > 0) named_bar_sync<256>(kOrderBar + c);       // the other consumer's mainloop of tile i - 1 is done
-
     float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
 #pragma unroll
     for (int k = 0; k < C::HALF_ACC; ++k) acc0[k] = acc1[k] = 0.0f;
+    // the other consumer has issued every wgmma of tile i - 1 (they may still run: these queue behind them)
+    if (i > 0) named_bar_sync<256>(kOrderBar + c);
     for (int kb = 0; kb < k_blocks(p); ++kb) {
       const int q = seq + kb, s = q % C::STAGES;
       mbar_wait(&full[s], (q / C::STAGES) & 1);
@@ -225,12 +226,15 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
       reg_fence<C::HALF_ACC>(acc1);
       if (kb > 0 && leader) mbar_arrive(&empty[(q - 1) % C::STAGES]);
     }
+    // The next tile's mainloop may begin once this one has issued its last wgmma, not once they are done, so that
+    // the tensor cores run the two consumers' wgmmas back to back (p.late_order_signal, a timing hook: once they are
+    // done). Every full wait of this tile has passed, so the other consumer's full waits stay within one phase.
+    if (!p.late_order_signal && tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
     wgmma_wait<0>();
     reg_fence<C::HALF_ACC>(acc0);
     reg_fence<C::HALF_ACC>(acc1);
     if (leader) mbar_arrive(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
-    // the next tile's mainloop may begin
-    if (tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+    if (p.late_order_signal && tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
 
     epi(acc0, acc1, m0, n0);
   }

@@ -10,7 +10,7 @@ namespace sm90 {
 void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targets, torch::Tensor temperature,
                  c10::optional<torch::Tensor> bias, int64_t vocab_start, int64_t n_real, torch::Tensor tile_max,
                  torch::Tensor tile_sum, torch::Tensor target_logit, c10::optional<torch::Tensor> logits,
-                 const std::string& launch, bool mainloop_only);
+                 const std::string& launch, int64_t hooks);
 std::vector<std::string> launch_names();
 void merge_stats(torch::Tensor tile_max, torch::Tensor tile_sum, torch::Tensor target_logit, torch::Tensor logp,
                  torch::Tensor lse);

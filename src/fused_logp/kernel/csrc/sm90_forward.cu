@@ -173,11 +173,12 @@ static void launch_named(const std::string& launch, const torch::Tensor& hidden,
 }
 
 // Tile statistics of a weight (shard) whose row 0 is vocabulary id vocab_start; n_real real columns, with the launch
-// configuration named `launch`. mainloop_only: the timing hook (the mainloop alone, statistics not computed).
+// configuration named `launch`. hooks, timing hooks of the benchmarks (0 otherwise): bit 0, the mainloop alone
+// (statistics not computed); bit 1, the ping-pong kernels' order signal once their wgmmas complete.
 void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targets, torch::Tensor temperature,
                  c10::optional<torch::Tensor> bias, int64_t vocab_start, int64_t n_real, torch::Tensor tile_max,
                  torch::Tensor tile_sum, torch::Tensor target_logit, c10::optional<torch::Tensor> logits,
-                 const std::string& launch, bool mainloop_only) {
+                 const std::string& launch, int64_t hooks) {
   FusedParams p = entry_params("sm90", "n_real", hidden, weight, targets, temperature, bias, vocab_start, n_real);
   TORCH_CHECK(vocab_start % kTile == 0, "sm90: vocab_start must be a multiple of 64");
   const long long n = hidden.size(0);
@@ -191,7 +192,9 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
   p.tile_sum = tile_sum.data_ptr<float>();
   p.target_logit = target_logit.data_ptr<float>();
   p.logits = nullptr;
-  p.skip_epilogue = mainloop_only ? 1 : 0;
+  TORCH_CHECK(hooks >= 0 && hooks <= 3, "sm90: hooks must be in [0, 3]; got ", hooks);
+  p.skip_epilogue = hooks & 1;
+  p.late_order_signal = (hooks >> 1) & 1;
   if (logits.has_value()) {
     check_f32_2d(*logits, "logits", n, n_real);
     p.logits = logits->data_ptr<float>();
@@ -215,7 +218,7 @@ std::vector<torch::Tensor> logits_and_stats(torch::Tensor hidden, torch::Tensor 
   torch::Tensor tile_sum = output_f32(std::vector<int64_t>{n, nt}, hidden, poison);
   torch::Tensor logits = output_f32(std::vector<int64_t>{n, n_real}, hidden, poison);
   torch::Tensor scratch = output_f32(std::vector<int64_t>{n}, hidden, poison);
-  fused_stats(hidden, weight, zeros, ones, bias, 0, n_real, tile_max, tile_sum, scratch, logits, launch, false);
+  fused_stats(hidden, weight, zeros, ones, bias, 0, n_real, tile_max, tile_sum, scratch, logits, launch, 0);
   return {tile_max, tile_sum, logits, scratch};
 }
 
