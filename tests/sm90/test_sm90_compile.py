@@ -135,9 +135,10 @@ def test_named_barriers_of_two_paths_are_the_non_aligned_form():
 def test_pingpong_order_barriers_pair_each_signal_with_one_wait():
     """The persistent ping-pong kernel orders its consumers' mainloops with two named barriers of its own (ids above
     every barrier of the CTA kernel), each a wait of one consumer warpgroup (`bar.sync`, 256 threads) and a signal of
-    the other (`bar.arrive`): a consumer waits before every mainloop but its first, and signals after every mainloop
-    that has a successor tile (tile_at(i + 1): the static stride, or the dynamic schedule's next slot), so that each
-    signal meets exactly one wait. Its only other barrier is the initialisation's `__syncthreads`."""
+    the other (`bar.arrive`): a consumer waits before every mainloop but its first, and signals once every mainloop
+    that has a successor tile (tile_at(i + 1): the static stride, or the dynamic schedule's next slot) has issued its
+    last wgmma (the timing hook late_order_signal: once they complete), so that each signal meets exactly one wait.
+    Its only other barrier is the initialisation's `__syncthreads`."""
     ptx = (CSRC / "ptx.cuh").read_text()
     assert re.search(r"void named_bar_arrive\(int id\) \{\s*asm volatile\(\"bar\.arrive %0, %1;\"", ptx)
     k = (CSRC / "pingpong_kernel.cuh").read_text()
@@ -148,6 +149,12 @@ def test_pingpong_order_barriers_pair_each_signal_with_one_wait():
                                                                      "named_bar_arrive<256>(kOrderBar + (1 - c));"]
     assert "if (i > 0) named_bar_sync<256>(kOrderBar + c);" in k
     assert "if (tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));" in k
+    # the signal (one site, signal_next) once, before or after the wait for the mainloop's wgmmas
+    body = k[k.index("const auto signal_next"):]
+    assert re.findall(r"if \(!?p\.late_order_signal\) signal_next\(\);", body) == [
+        "if (!p.late_order_signal) signal_next();", "if (p.late_order_signal) signal_next();"]
+    assert body.index("if (!p.late_order_signal) signal_next();") < body.index("wgmma_wait<0>();") \
+        < body.index("if (p.late_order_signal) signal_next();")
     assert "for (int i = c;; i += 2) {" in k
     assert k.count("__syncthreads()") == 1 and "asm" not in k      # the barriers' initialisation; no other barrier
     assert "cluster" not in k

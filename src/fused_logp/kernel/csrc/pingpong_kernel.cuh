@@ -229,12 +229,15 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
     // The next tile's mainloop may begin once this one has issued its last wgmma, not once they are done, so that
     // the tensor cores run the two consumers' wgmmas back to back (p.late_order_signal, a timing hook: once they are
     // done). Every full wait of this tile has passed, so the other consumer's full waits stay within one phase.
-    if (!p.late_order_signal && tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+    const auto signal_next = [&] {
+      if (tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+    };
+    if (!p.late_order_signal) signal_next();
     wgmma_wait<0>();
     reg_fence<C::HALF_ACC>(acc0);
     reg_fence<C::HALF_ACC>(acc1);
     if (leader) mbar_arrive(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
-    if (p.late_order_signal && tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+    if (p.late_order_signal) signal_next();
 
     epi(acc0, acc1, m0, n0);
   }

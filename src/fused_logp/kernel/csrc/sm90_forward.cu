@@ -192,7 +192,7 @@ void fused_stats(torch::Tensor hidden, torch::Tensor weight, torch::Tensor targe
   p.tile_sum = tile_sum.data_ptr<float>();
   p.target_logit = target_logit.data_ptr<float>();
   p.logits = nullptr;
-  TORCH_CHECK(hooks >= 0 && hooks <= 3, "sm90: hooks must be in [0, 3]; got ", hooks);
+  TORCH_CHECK(hooks >= 0 && hooks <= 3, "sm90: hooks must be in [0, 3]; got ", num(hooks));
   p.skip_epilogue = hooks & 1;
   p.late_order_signal = (hooks >> 1) & 1;
   if (logits.has_value()) {
