@@ -36,9 +36,10 @@ _TILE = C.VOCAB_TILE
 LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swapab-128", "pingpong-128x192-dyn")
 
 # Configurations that are built but not (yet) kept: a call naming one is refused unless FUSED_LOGP_CANDIDATE_LAUNCHES=1
-# (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto" never picks one. Not yet run on a GPU:
-# pingpong-128x192-dyn, the ping-pong kernel on the dynamic schedule (each CTA claims its next tile from a counter, so
-# that the tiles in flight stay a window of the raster), for N >= 2048.
+# (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto" never picks one. pingpong-128x192-dyn, the
+# ping-pong kernel on the dynamic schedule (each CTA claims its next tile from a counter, so that the tiles in flight
+# stay a window of the raster): on the H100 ahead of the static schedule from 3072 rows and of cta-128x256 at 4096,
+# behind the static schedule at 2048 and cta-128x256 at 6144-16384 (docs/design/sm90-kernel.md); not yet on an H200.
 CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192-dyn"})
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
