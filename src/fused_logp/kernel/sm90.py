@@ -39,7 +39,8 @@ LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swap
 # (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto" never picks one. pingpong-128x192-dyn, the
 # ping-pong kernel on the dynamic schedule (each CTA claims its next tile from a counter, so that the tiles in flight
 # stay a window of the raster): on the H100 ahead of the static schedule from 3072 rows and of cta-128x256 at 4096,
-# behind the static schedule at 2048 and cta-128x256 at 6144-16384 (docs/design/sm90-kernel.md); not yet on an H200.
+# behind the static schedule at 2048 and cta-128x256 at 6144-16384; on the H200 at most 0.5% ahead of auto's choice at
+# 2048-8192 rows and 2.5% behind it at 2048 (docs/design/sm90-kernel.md).
 CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192-dyn"})
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
