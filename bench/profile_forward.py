@@ -1,10 +1,14 @@
 """A forward call of the fused kernel to profile (Nsight Compute): `--warm` untimed calls, then `--calls` more, of one
 launch configuration at one shape; `--mainloop-only` runs the timing hook (the mainloop without statistics),
 `--return-logits` the rollout path, `--temperature` the division, `--gemm` cuBLAS's bf16 GEMM of the same shape
-instead. `--seconds S` repeats the calls for S seconds (for power and clock sampling). Used by
+instead, `--peer NAME` that peer's forward instead (bench/peers.py: quack, liger or cce, loss only, no_grad; it must
+be installed). The calls after the `--warm` ones run in the NVTX range "profiled" (`ncu --nvtx --nvtx-include
+profiled/` takes their kernels alone). `--seconds S` repeats the calls for S seconds (for power and clock sampling). Used by
 `make gpu-kernel-profile`, which profiles the last call, and `make gpu-power`.
 Usage: PYTHONPATH=src python -P bench/profile_forward.py [--n 8192] [--launch cta-128x256] ..."""
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -42,30 +46,46 @@ def main():
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--gemm", action="store_true")
+    ap.add_argument("--peer", default="", choices=("", "quack", "liger", "cce"))
     ap.add_argument("--seconds", type=float, default=0.0)
     args = ap.parse_args()
     be = backend("profile_forward")
     be.launch = args.launch
     be.mainloop_only = args.mainloop_only
     h, w, t, temp = forward_inputs(args.n, args.d, args.vocab, args.temperature)
+    peer = None
+    if args.peer:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/peers.py (scripts run with -P)
+        import peers
+        peer, info = peers.load("sum", no_grad=True, names=(args.peer,))[args.peer]
+        if peer is None:
+            raise SystemExit(f"profile_forward: --peer {args.peer}: {info['status']}")
 
     def call():
         if args.gemm:
             torch.matmul(h, w.t())
+        elif peer is not None:
+            peer(h, w, t)
         else:
             be.linear_logp(h, w, t, bias=None, temperature=temp, return_logits=args.return_logits,
                            vocab_size=args.vocab)
 
+    for _ in range(args.warm):   # (a peer's first call compiles its kernel)
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profiled")   # ncu --nvtx --nvtx-include profiled/ : these calls' kernels only
     calls = 0
     t0 = time.time()
-    while calls < args.warm + args.calls or time.time() - t0 < args.seconds:
+    while calls < args.calls or time.time() - t0 < args.seconds:
         call()
         calls += 1
         if args.seconds and calls % 8 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    what = "cuBLAS GEMM" if args.gemm else args.launch
-    print(f"profile_forward: {calls} calls of {what} at N={args.n} in {time.time() - t0:.1f} s"
+    torch.cuda.nvtx.range_pop()
+    took = time.time() - t0
+    what = "cuBLAS GEMM" if args.gemm else args.peer or args.launch
+    print(f"profile_forward: {calls} calls of {what} at N={args.n} in {took:.1f} s ({1e3 * took / calls:.3f} ms a call)"
           f"{' (mainloop only)' if args.mainloop_only else ''}{' with logits' if args.return_logits else ''}"
           f" T={args.temperature}")
 
