@@ -18,7 +18,7 @@ timeout 170 python3 -P -m pytest -v -x -p no:cacheprovider tests/sm90/test_sm90.
   -k "${GUARD_TESTS:-launch_names or register_store or swapped_operands or pingpong_dz or dz_kernel}" > "$OUT/guard.txt" 2>&1
 rc=$?; step guard $rc; grep -E "FAILED|passed|failed|Timeout" "$OUT/guard.txt" | tail -6; [ $rc = 0 ] || exit $rc
 timeout ${AB_TIMEOUT:-200} python3 -P bench/ab_launches.py --n "${AB_N:-2048,4096,8192,16384}" \
-  --launches "${AB_LAUNCHES:-gemm,cta-128x256,pingpong-128x192,pingpong-128x192+late,pingpong-128x192-dyn,pingpong-128x192-dyn+mainloop}" \
+  --launches "${AB_LAUNCHES:-gemm,cta-128x256,pingpong-128x192,pingpong-128x192+mainloop,pingpong-128x192-mc2,pingpong-128x192-mc2+mainloop}" \
   --out "$OUT" --tag t1 > "$OUT/ab-t1.log" 2>&1; step ab-t1 $?
 python3 - "$OUT/ab-t1.json" <<'PY'
 import json, sys
@@ -34,7 +34,7 @@ timeout ${DZ_TIMEOUT:-200} python3 -P bench/benchmark_linear_logp_backward.py --
   --dz-launches "${DZ_AB:-cta-128x256,pingpong-128x192,pingpong-128x192-dyn}" --out "$OUT/backward-dz.json" > "$OUT/backward-dz.txt" 2>&1
 step dz-ab $?; tail -6 "$OUT/backward-dz.txt"
 case " ${STEPS-} " in *" ncu "*)
-  for L in $(echo "${NCU_LAUNCHES:-pingpong-128x192,pingpong-128x192-dyn,cta-128x256}" | tr , ' '); do
+  for L in $(echo "${NCU_LAUNCHES:-pingpong-128x192,pingpong-128x192-mc2,cta-128x256}" | tr , ' '); do
     for M in "" --mainloop-only; do
       echo "== $L N=${NCU_N:-8192} $M"
       timeout 60 ncu --metrics gpu__time_duration.sum,dram__bytes_write.sum,dram__bytes_read.sum,lts__t_sectors_op_write.sum \

@@ -7,6 +7,12 @@ a phase early), no named-barrier generation sees two signals or two waits, and e
 to the kernel's waits is a change to this transcription. The negative tests show the model catches the failures it
 checks for.
 
+The same for CLUSTER = 2 (pingpong-128x192-mc2): two CTAs whose producers each load their own hidden rows and one
+half of the weight tile into the same stage of both CTAs (every part landing in any order and at any later time,
+before or after the receiving CTA's expect_tx); a stage's full barrier counts one arrival and the transaction bytes of
+three parts, its empty barrier one release from each CTA. Checks, besides the above: no part lands in a stage that a
+consumer of that CTA has not yet released.
+
 The dynamic schedule (pingpong-128x192-dyn): every CTA of the grid at once, sharing the tile counter, with the ring of
 tile slots and the end marks. Checks, besides the above: every slot read holds the number posted for it, every tile
 is computed exactly once, and no order-barrier signal is left without its wait."""
@@ -140,6 +146,122 @@ def test_without_the_order_barriers_a_consumer_reads_a_wrong_fill():
 def test_a_wrong_producer_parity_never_finishes():
     with pytest.raises(Fault, match="no progress"):
         _run(3, 1, 2, 0, producer_parity_flip=True)
+
+
+def _run_cluster(units, clusters, kblocks, seed, *, release_both=True, parts=3, beyond=()):
+    """One cluster of two CTAs of pingpong_kernel<LOGITS, 2>, each CTA's consumers in the order of the one-CTA kernel
+    (the signal once the last wgmma is issued, then the last stage's release). release_both=False: each consumer
+    releases its own CTA's stage only, with an empty barrier of count 1 (the negative control of the cross-CTA
+    release); parts: the parts a full barrier's expect_tx counts (3: own hidden rows and both weight halves); beyond:
+    the cluster's units i whose CTA-1 tile lies beyond the rows (its consumer, in its turn, releases each stage as soon
+    as its wait passes, then signals)."""
+    rnd = random.Random(seed)
+    for cl in range(clusters):
+        n = len(range(cl, units, clusters))         # this cluster's units
+        need_empty = 2 if release_both else 1
+        full = [[0] * STAGES for _ in range(2)]      # completed phases
+        full_pend = [[1] * STAGES for _ in range(2)]
+        tx = [[0] * STAGES for _ in range(2)]        # transaction parts outstanding in the current phase
+        empty = [[0] * STAGES for _ in range(2)]
+        empty_pend = [[need_empty] * STAGES for _ in range(2)]
+        released = [[0] * STAGES for _ in range(2)]  # fills of a stage that this CTA's consumers have released
+        content = [[{} for _ in range(STAGES)] for _ in range(2)]
+        landing = []                                 # (cta, stage, part, seq) in flight
+        bars = [{0: [0, 0], 1: [0, 0]} for _ in range(2)]
+
+        def full_done(x, s):
+            if full_pend[x][s] == 0 and tx[x][s] == 0:
+                full[x][s] += 1
+                full_pend[x][s] = 1
+
+        def arrive_empty(x, s):
+            empty_pend[x][s] -= 1
+            if empty_pend[x][s] == 0:
+                empty[x][s] += 1
+                empty_pend[x][s] = need_empty
+
+        def producer(x):
+            for q in range(n * kblocks):
+                s = q % STAGES
+                while not _passed(empty[x][s], ((q // STAGES) & 1) ^ 1):
+                    yield
+                tx[x][s] += parts                    # mbarrier.arrive.expect_tx
+                full_pend[x][s] -= 1
+                full_done(x, s)
+                landing.append((x, s, "A", q))       # own hidden rows
+                landing.append((0, s, f"B{x}", q))   # this CTA's weight half, multicast into both
+                landing.append((1, s, f"B{x}", q))
+                yield
+
+        def release(x, s):
+            released[x][s] += 1
+            for y in ((0, 1) if release_both else (x,)):
+                arrive_empty(y, s)
+
+        def consumer(x, c):
+            for i in range(c, n, 2):
+                if i > 0:
+                    yield from _order_wait(bars[x], c)
+                held = None
+                for kb in range(kblocks):
+                    q = i * kblocks + kb
+                    s = q % STAGES
+                    while not _passed(full[x][s], (q // STAGES) & 1):
+                        yield
+                    got = content[x][s]
+                    if got != {"A": q, "B0": q, "B1": q}:
+                        raise Fault(f"CTA {x} consumer {c} read fill {got} of stage {s} for fill {q}")
+                    if x == 1 and i in beyond:
+                        release(x, s)
+                        yield
+                        continue
+                    if held is not None:
+                        release(x, held)
+                    held = s
+                    yield
+                if i + 1 < n:
+                    _order_signal(bars[x], c)
+                yield
+                if held is not None:
+                    release(x, held)
+                yield
+
+        def land(item):
+            y, s, part, q = item
+            if released[y][s] < q // STAGES:
+                raise Fault(f"fill {q} landed in CTA {y}'s stage {s} before its fill {q - STAGES} was released")
+            content[y][s][part] = q
+            tx[y][s] -= 1
+            full_done(y, s)
+
+        agents = [producer(0), producer(1), consumer(0, 0), consumer(0, 1), consumer(1, 0), consumer(1, 1)]
+        _drive(rnd, agents, landing, land, 400000,
+               f"no progress: units {units}, clusters {clusters}, K blocks {kblocks}, cluster {cl}")
+        if any(v[0] for b in bars for v in b.values()):
+            raise Fault("an order barrier signal without its wait")
+
+
+@pytest.mark.parametrize("kblocks", [1, 2, 4, 5, 6, 7, 11])
+def test_clusters_of_two_read_their_own_fills_and_finish(kblocks):
+    for units in (1, 2, 3, 5, 8):
+        for clusters in (1, 2, 3):
+            for seed in range(12):
+                _run_cluster(units, clusters, kblocks, seed)
+                # the last unit's second tile beyond the rows (an odd number of m tiles), or every unit's (one m tile)
+                _run_cluster(units, clusters, kblocks, seed, beyond={len(range(0, units, clusters)) - 1})
+                _run_cluster(units, clusters, kblocks, seed, beyond=set(range(units)))
+
+
+def test_without_the_release_into_the_peer_a_fill_lands_in_a_stage_still_read():
+    with pytest.raises(Fault, match="landed in CTA"):
+        for seed in range(300):
+            _run_cluster(6, 1, 3, seed, release_both=False)
+
+
+def test_a_full_barrier_that_does_not_count_the_peer_half_passes_early():
+    with pytest.raises(Fault, match="read fill"):
+        for seed in range(300):
+            _run_cluster(4, 1, 3, seed, parts=2)
 
 
 TILE_SLOTS = 8      # kTileSlots

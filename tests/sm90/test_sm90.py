@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 
 SENTINEL = 0x7FBADBAD          # a NaN payload no arithmetic produces
 # sm90.LAUNCHES, besides "auto"
-VARIANTS = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swapab-128", "pingpong-128x192-dyn")
+VARIANTS = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swapab-128", "pingpong-128x192-dyn",
+            "pingpong-128x192-mc2")
 M_LIST = list(range(1, 18)) + [31, 63, 64, 65, 127, 128, 129, 255, 257, 1000, 4096]
 
 
@@ -382,7 +383,9 @@ def test_float64_accuracy(be, cgen):
     ("swapab-128", 129, 4096, 151936), ("swapab-128", 300, 64, 13440), ("swapab-128", 1000, 448, 44800),
     ("swapab-128", 40, 256, 1024), ("swapab-128", 9, 128, 1088),
     ("pingpong-128x192-dyn", 1000, 448, 44800), ("pingpong-128x192-dyn", 130, 64, 13440),
-    ("pingpong-128x192-dyn", 77, 4096, 151936), ("pingpong-128x192-dyn", 2100, 256, 23040)])
+    ("pingpong-128x192-dyn", 77, 4096, 151936), ("pingpong-128x192-dyn", 2100, 256, 23040),
+    ("pingpong-128x192-mc2", 1000, 448, 44800), ("pingpong-128x192-mc2", 300, 64, 13440),
+    ("pingpong-128x192-mc2", 77, 4096, 151936), ("pingpong-128x192-mc2", 2100, 256, 23040)])
 def test_register_store_kernels_equal_the_cta_kernel(be, cgen, variant, n, d, v):
     """The kernels whose consumer warps store the logits from their registers against cta-128x256, byte for byte. The
     persistent ping-pong kernel: many 128x192 tiles a CTA (the two consumers alternate, the ring's sequence runs on
@@ -390,7 +393,9 @@ def test_register_store_kernels_equal_the_cta_kernel(be, cgen, variant, n, d, v)
     swapped-operand kernel: 129 rows (a 160-row tile), two 160-row tiles, four 256-row tiles with 7 K blocks, one
     64-row tile, and 9 rows in a 32-row tile with an odd number of 64-column tiles (the last CTA's second consumer
     beyond the width). The ping-pong kernel on the dynamic schedule: the ping-pong kernel's shapes, and 17 m tiles
-    with many tiles a CTA. With and without the logits, bias, mixed temperatures, a NaN and an inf row, targets at
+    with many tiles a CTA. The ping-pong kernel in clusters of two CTAs: 8 m tiles (four pairs) with 7 K blocks, 3
+    and 1 m tiles (the last pair's second tile beyond the rows, its CTA storing nothing), and 17 m tiles with more
+    pairs than clusters. With and without the logits, bias, mixed temperatures, a NaN and an inf row, targets at
     the slice and tile edges, ragged rows, a TP shard."""
     h, w, t, b = make_inputs(cgen, n, d, v, bias=True)
     h[n // 2, 3] = float("nan")
@@ -474,8 +479,8 @@ def test_launch_names_are_the_extensions(be, cgen):
     out = [torch.empty(3, nt, device="cuda"), torch.empty(3, nt, device="cuda"), torch.empty(3, device="cuda")]
     tg = targets_for(cgen, 3, 128)
     with pytest.raises(RuntimeError, match="launch must be one of cta-128x256, cta-64x256, "
-                                           "cta-64x128, pingpong-128x192, swapab-128, pingpong-128x192-dyn; "
-                                           "got 'cta-96x256'"):
+                                           "cta-64x128, pingpong-128x192, swapab-128, pingpong-128x192-dyn, "
+                                           "pingpong-128x192-mc2; got 'cta-96x256'"):
         ext.fused_stats(h, w, tg, t, None, 0, 128, out[0], out[1], out[2], None, "cta-96x256", 0)
     # the extension refuses what the ping-pong kernel does not take, as the backend does before it
     h80, w80, _, _ = make_inputs(cgen, 3, 80, 128)

@@ -136,28 +136,35 @@ def test_pingpong_order_barriers_pair_each_signal_with_one_wait():
     """The persistent ping-pong kernel orders its consumers' mainloops with two named barriers of its own (ids above
     every barrier of the CTA kernel), each a wait of one consumer warpgroup (`bar.sync`, 256 threads) and a signal of
     the other (`bar.arrive`): a consumer waits before every mainloop but its first, and signals once every mainloop
-    that has a successor tile (tile_at(i + 1): the static stride, or the dynamic schedule's next slot) has issued its
-    last wgmma (the timing hook late_order_signal: once they complete), so that each signal meets exactly one wait.
-    Its only other barrier is the initialisation's `__syncthreads`."""
+    that has a successor unit (unit_at(i + 1): the static stride, or the dynamic schedule's next slot; a unit is
+    CLUSTER m tiles of one vocabulary tile) has issued its last wgmma (the timing hook late_order_signal: once they
+    complete), so that each signal meets exactly one wait; a tile beyond the rows (CLUSTER = 2) waits in its turn and
+    signals after releasing its stages. Its other barriers: the initialisation's `__syncthreads` (one CTA) or cluster
+    barrier (CLUSTER = 2), which the cluster kernel's threads meet again before they exit."""
     ptx = (CSRC / "ptx.cuh").read_text()
     assert re.search(r"void named_bar_arrive\(int id\) \{\s*asm volatile\(\"bar\.arrive %0, %1;\"", ptx)
     k = (CSRC / "pingpong_kernel.cuh").read_text()
     assert "constexpr int kOrderBar = 5;" in k
     assert "constexpr int kStagedBar = 4;" in (CSRC / "fused_params.cuh").read_text()    # the CTA kernel's highest
     # one wait, one signal
-    assert re.findall(r"named_bar_\w+<[^>]*>\(kOrderBar[^;]*;", k) == ["named_bar_sync<256>(kOrderBar + c);",
-                                                                     "named_bar_arrive<256>(kOrderBar + (1 - c));"]
+    assert sorted(re.findall(r"named_bar_\w+<[^>]*>\(kOrderBar[^;]*;", k)) == [
+        "named_bar_arrive<256>(kOrderBar + (1 - c));", "named_bar_sync<256>(kOrderBar + c);"]
     assert "if (i > 0) named_bar_sync<256>(kOrderBar + c);" in k
-    assert "if (tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));" in k
-    # the signal (one site, signal_next) once, before or after the wait for the mainloop's wgmmas
-    body = k[k.index("const auto signal_next"):]
-    assert re.findall(r"if \(!?p\.late_order_signal\) signal_next\(\);", body) == [
-        "if (!p.late_order_signal) signal_next();", "if (p.late_order_signal) signal_next();"]
-    assert body.index("if (!p.late_order_signal) signal_next();") < body.index("wgmma_wait<0>();") \
-        < body.index("if (p.late_order_signal) signal_next();")
-    assert "for (int i = c;; i += 2) {" in k
+    assert "if (unit_at(i + 1) < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));" in k
+    # the signal (one site, signal_next): once a tile beyond the rows has released its stages, and for a computed
+    # tile before or after the wait for the mainloop's wgmmas
+    body = k[k.index("for (int i = c;; i += 2) {"):]
+    assert body.index("if (i > 0) named_bar_sync<256>(kOrderBar + c);") < body.index("if (m0 >= p.n_rows) {")
+    beyond = body[body.index("if (m0 >= p.n_rows) {"):body.index("continue;")]
+    assert beyond.index("release_stage<CLUSTER>(&empty[s]);") < beyond.index("signal_next(i);")
+    assert re.findall(r"if \(!?p\.late_order_signal\) signal_next\(i\);", body) == [
+        "if (!p.late_order_signal) signal_next(i);", "if (p.late_order_signal) signal_next(i);"]
+    assert body.index("if (!p.late_order_signal) signal_next(i);") < body.index("wgmma_wait<0>();") \
+        < body.index("if (p.late_order_signal) signal_next(i);")
+    assert k.count("signal_next(i);") == 3
     assert k.count("__syncthreads()") == 1 and "asm" not in k      # the barriers' initialisation; no other barrier
-    assert "cluster" not in k
+    # the cluster barrier: after the initialisation, and at the producer's and the consumers' ends
+    assert k.count("cluster_sync();") == 3 and k.count("if constexpr (CLUSTER > 1) cluster_sync();") == 2
 
 
 def _nvcc():

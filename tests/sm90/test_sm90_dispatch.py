@@ -44,8 +44,8 @@ def test_auto_picks_a_limited_configuration_only_where_it_takes_the_shape():
 
 
 def test_a_candidate_configuration_is_refused_unless_allowed(monkeypatch):
-    """The mechanism for a configuration that is built but not kept (pingpong-128x192-dyn at present): a name in
-    CANDIDATE_LAUNCHES is refused unless FUSED_LOGP_CANDIDATE_LAUNCHES=1."""
+    """The mechanism for a configuration that is built but not kept (pingpong-128x192-dyn and pingpong-128x192-mc2
+    at present): a name in CANDIDATE_LAUNCHES is refused unless FUSED_LOGP_CANDIDATE_LAUNCHES=1."""
     monkeypatch.setattr(sm90, "CANDIDATE_LAUNCHES", frozenset({"cta-64x128"}))
     monkeypatch.delenv("FUSED_LOGP_CANDIDATE_LAUNCHES", raising=False)
     be = sm90.SM90Backend()

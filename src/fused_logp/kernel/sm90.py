@@ -22,8 +22,8 @@ from .sm90_aux import SM90Aux, SM90TestHooks
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("sm90_bindings.cu", "sm90_forward.cu", "sm90_cta_128x256.cu", "sm90_cta_64x256.cu",
-            "sm90_cta_64x128.cu", "sm90_pingpong_128x192.cu", "sm90_swapab_128.cu", "sm90_backward.cu",
-            "sm90_transforms.cu", "sm90_fingerprint.cu")
+            "sm90_cta_64x128.cu", "sm90_pingpong_128x192.cu", "sm90_pingpong_128x192_mc2.cu", "sm90_swapab_128.cu",
+            "sm90_backward.cu", "sm90_transforms.cu", "sm90_fingerprint.cu")
 CUDA_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo")
 _TILE = C.VOCAB_TILE
 
@@ -31,9 +31,10 @@ _TILE = C.VOCAB_TILE
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
 # of them, chosen by row count. With return_logits, the producer warpgroup of a cta-* configuration stores the logits
 # while the consumer warps compute the statistics; in pingpong-128x192 (and pingpong-128x192-dyn, the same kernel on
-# the dynamic schedule) the consumer warps store them after each slice's statistics, in swapab-128 after each tile's
+# the dynamic schedule, and pingpong-128x192-mc2, in clusters of two CTAs) the consumer warps store them after each slice's statistics, in swapab-128 after each tile's
 # statistics (docs/design/sm90-kernel.md).
-LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swapab-128", "pingpong-128x192-dyn")
+LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swapab-128", "pingpong-128x192-dyn",
+            "pingpong-128x192-mc2")
 
 # Configurations that are built but not (yet) kept: a call naming one is refused unless FUSED_LOGP_CANDIDATE_LAUNCHES=1
 # (the Makefile's GPU targets set it; SM90Backend.allow_candidates); "auto" never picks one. pingpong-128x192-dyn, the
@@ -41,12 +42,15 @@ LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swap
 # stay a window of the raster): on the H100 ahead of the static schedule from 3072 rows and of cta-128x256 at 4096,
 # behind the static schedule at 2048 and cta-128x256 at 6144-16384; on the H200 at most 0.5% ahead of auto's choice at
 # 2048-8192 rows and 2.5% behind it at 2048 (docs/design/sm90-kernel.md).
-CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192-dyn"})
+# pingpong-128x192-mc2, the ping-pong kernel in clusters of two CTAs along M, each weight tile loaded half by each CTA
+# and multicast into both (pingpong_kernel.cuh, CLUSTER = 2; QuACK's schedule), for N >= 2048: lost on the H100 with
+# the former order signal, not yet run with the early one or on an H200.
+CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192-dyn", "pingpong-128x192-mc2"})
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
 # kernel on either schedule and the swapped-operand kernel); other calls naming one are refused before the launch (and
 # by the extension).
-_MULTIPLE_OF_64 = frozenset({"pingpong-128x192", "swapab-128", "pingpong-128x192-dyn"})
+_MULTIPLE_OF_64 = frozenset({"pingpong-128x192", "swapab-128", "pingpong-128x192-dyn", "pingpong-128x192-mc2"})
 
 
 def _takes_shape(name: str, d: int, width: int) -> bool:

@@ -156,6 +156,11 @@ extern template void launch_cta<1, 64>(const torch::Tensor&, const torch::Tensor
 void launch_pingpong(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
                      cudaStream_t stream, bool dynamic = false);
 
+// The same kernel in clusters of two CTAs along M, each weight tile multicast into both (sm90_pingpong_128x192_mc2.cu,
+// configuration pingpong-128x192-mc2): D and n_real multiples of 64 (it refuses other calls).
+void launch_pingpong_mc2(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p,
+                         cudaStream_t stream);
+
 // Forward statistics with the swapped-operand kernel, 128 weight rows a CTA and row tiles of at most 256 rows
 // (sm90_swapab_128.cu, configuration swapab-128): D and n_real multiples of 64 (it refuses other calls).
 void launch_swap(const torch::Tensor& hidden, const torch::Tensor& weight, const FusedParams& p, cudaStream_t stream);

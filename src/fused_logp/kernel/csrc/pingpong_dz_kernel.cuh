@@ -25,7 +25,7 @@ pingpong_dz_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_const
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* slices = smem + C::STAGES * C::STAGE_BYTES;      // 1024-byte aligned (the 128-byte swizzle's period)
   uint64_t* full = reinterpret_cast<uint64_t*>(slices + kConsumers * kDzSliceBytes);
-  pingpong_schedule(smem, full, full + C::STAGES, &map_h, &map_w, p,
+  pingpong_schedule<1>(smem, full, full + C::STAGES, &map_h, &map_w, p,
                        [&](float(&acc0)[C::HALF_ACC], float(&acc1)[C::HALF_ACC], int m0, int n0) {
                          const int c = threadIdx.x / 128 - 1;
                          const uint32_t stage = smem_u32(slices) + c * kDzSliceBytes;

@@ -25,6 +25,17 @@
 // this kernel does not take: D not a multiple of 64 (every stage holds 4 k16 groups) and n_real not a multiple of 64
 // (a slice is all real or all beyond n_real: no lane-by-lane check, whose registers the 192 accumulators leave no
 // room for).
+//
+// CLUSTER = 2 (configuration pingpong-128x192-mc2, static schedule): the CTAs run in clusters of two along M, which
+// take the pairs of m tiles (2 mp, 2 mp + 1) of one vocabulary tile together (a unit), in the same grouped raster over
+// (m tile pairs, n tiles): CTA rank r computes m tile 2 mp + r. Each CTA's producer loads its own hidden rows and one
+// half (96 rows) of the weight tile, multicast into the same stage of both CTAs, so that the weight is read from L2
+// once for two m tiles. A stage's full barrier expects the whole stage (its hidden rows, both halves); its empty
+// barrier counts one release from each CTA (the consumer of that stage in both CTAs arrives on both CTAs' barriers),
+// so that neither producer refills a stage that either CTA still reads. The two CTAs meet (cluster barrier) after the
+// barriers' initialisation and before any thread exits. Where num_m is odd, the last pair's second tile lies beyond
+// the rows: that CTA loads the last real hidden tile again (its stages feed its peer) and its consumer waits for and
+// releases each stage without computing.
 #pragma once
 #include "fused_params.cuh"
 #include "ptx.cuh"
@@ -76,8 +87,19 @@ __device__ __forceinline__ TileSlots tile_slots(uint64_t* full) {
 }
 
 // The loop bounds, read from the parameters where they are used: locals held across the epilogue would take the
-// register that the logits stores need.
-__device__ __forceinline__ int tile_count(const FusedParams& p) { return p.num_m * p.num_n; }
+// register that the logits stores need. A unit is the work of one cluster: CLUSTER m tiles of one vocabulary tile
+// (one tile where CLUSTER = 1).
+template <int CLUSTER>
+__device__ __forceinline__ int m_units(const FusedParams& p) { return (p.num_m + CLUSTER - 1) / CLUSTER; }
+template <int CLUSTER>
+__device__ __forceinline__ int unit_count(const FusedParams& p) { return m_units<CLUSTER>(p) * p.num_n; }
+// The units of this CTA's cluster: first_unit + i unit_stride; its m tile of a unit's CLUSTER: cluster_rank.
+template <int CLUSTER>
+__device__ __forceinline__ unsigned first_unit() { return blockIdx.x / CLUSTER; }
+template <int CLUSTER>
+__device__ __forceinline__ unsigned unit_stride() { return gridDim.x / CLUSTER; }
+template <int CLUSTER>
+__device__ __forceinline__ int cluster_rank() { return CLUSTER > 1 ? static_cast<int>(cluster_ctarank()) : 0; }
 __device__ __forceinline__ int k_blocks(const FusedParams& p) { return p.d / kBK; }
 
 // The logits of a 64 x 64 slice from its accumulators, after the statistics (which added the bias in place): the
@@ -129,82 +151,126 @@ __device__ __forceinline__ void store_mainloop_sums(const float (&acc0)[PingPong
   }
 }
 
+// A consumer's release of a stage it has read: one arrival on its empty barrier, in every CTA of the cluster (each
+// CTA's producer writes into both CTAs' stages).
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(uint64_t* empty_s) {
+  if constexpr (CLUSTER > 1) {
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(empty_s, r);
+  } else {
+    mbar_arrive(empty_s);
+  }
+}
+
 // The ping-pong schedule of one CTA (the comment at the top): the ring of C::STAGES stages at smem with its barriers
 // full and empty, the producer's loads of every tile of the CTA, and each consumer's mainloops in tile order. After
 // the mainloop of each of its tiles, a consumer warpgroup calls epi(acc0, acc1, m0, n0) with its accumulators of rows
 // m0 + [0, 64) and m0 + 64 + [0, 64), columns n0 + [0, 192), while the other consumer's mainloop runs.
-template <class Epilogue>
+template <int CLUSTER, class Epilogue>
 __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full, uint64_t* empty,
                                                   const CUtensorMap* map_h, const CUtensorMap* map_w,
                                                   const FusedParams& p, Epilogue&& epi) {
   using C = PingPongCfg;
+  static_assert(CLUSTER == 1 || CLUSTER == 2, "clusters of one or two CTAs");
   const int wg = threadIdx.x / 128;
 
-  const bool dynamic = p.tile_counter != nullptr;
+  // the dynamic schedule (CLUSTER = 1 only)
+  const bool dynamic = CLUSTER == 1 && p.tile_counter != nullptr;
   const TileSlots slots = tile_slots<C::STAGES>(full);
   if (threadIdx.x == 0)
     for (int k = 0; k < kTileSlots; ++k) mbar_init(&slots.posted[k], 1);
-  init_ring<C::STAGES>(full, empty, 1);     // each stage is read by one consumer warpgroup
-  __syncthreads();
+  init_ring<C::STAGES>(full, empty, CLUSTER);     // each stage is read by one consumer warpgroup of each CTA
+  if constexpr (CLUSTER > 1)
+    cluster_sync();                      // the peer's barriers are initialised before any multicast reaches them
+  else
+    __syncthreads();
 
   if (wg == 0) {
-    // Producer warpgroup: one thread issues the TMA loads of every tile of this CTA, K blocks in order.
+    // Producer warpgroup: one thread issues the TMA loads of every unit of this CTA, K blocks in order.
     setmaxnreg_dec<kPingPongProducerRegs>();
     if (threadIdx.x == 0) {
       int seq = 0, i = 0;
-      for (int t = blockIdx.x; t < tile_count(p); ++i) {
+      for (int u = first_unit<CLUSTER>(); u < unit_count<CLUSTER>(p); ++i) {
         int next;
         if (dynamic) {
           next = static_cast<int>(gridDim.x + atomicAdd(p.tile_counter, 1u));   // waited for after the loads
-          slots.tile[i % kTileSlots] = t;
+          slots.tile[i % kTileSlots] = u;
           mbar_arrive(&slots.posted[i % kTileSlots]);   // release: the slot's write before the post
         } else {
-          next = t + gridDim.x;
+          next = u + unit_stride<CLUSTER>();
         }
-        int mt, ntile;
-        tile_coords(t, p.num_m, p.num_n, mt, ntile);
+        int mu, ntile;
+        tile_coords(u, m_units<CLUSTER>(p), p.num_n, mu, ntile);
+        // a tile beyond the rows (odd num_m) loads the last real hidden tile: its bytes fill the stage, unused
+        const int mt = CLUSTER > 1 ? min(CLUSTER * mu + cluster_rank<CLUSTER>(), p.num_m - 1) : mu;
         for (int kb = 0; kb < k_blocks(p); ++kb, ++seq) {
           const int s = seq % C::STAGES;
           mbar_wait(&empty[s], ((seq / C::STAGES) & 1) ^ 1);
           uint8_t* a = smem + s * C::STAGE_BYTES;
           mbar_expect_tx(&full[s], C::STAGE_BYTES);
           tma_load_2d(a, map_h, &full[s], kb * kBK, mt * C::BM);
-          tma_load_2d(a + C::A_BYTES, map_w, &full[s], kb * kBK, ntile * C::BN);
+          if constexpr (CLUSTER > 1)
+            tma_load_2d_multicast(a + C::A_BYTES + cluster_rank<CLUSTER>() * (C::B_BYTES / CLUSTER), map_w,
+                                  &full[s], kb * kBK, ntile * C::BN + cluster_rank<CLUSTER>() * (C::BN / CLUSTER),
+                                  (1u << CLUSTER) - 1);
+          else
+            tma_load_2d(a + C::A_BYTES, map_w, &full[s], kb * kBK, ntile * C::BN);
         }
-        t = next;
+        u = next;
       }
       if (dynamic)   // the end, for the consumer of slot i and for the other
         for (int e = i; e < i + 2; ++e) {
-          slots.tile[e % kTileSlots] = tile_count(p);
+          slots.tile[e % kTileSlots] = unit_count<CLUSTER>(p);
           mbar_arrive(&slots.posted[e % kTileSlots]);
         }
     }
+    if constexpr (CLUSTER > 1) cluster_sync();   // no CTA exits while its peer may still write into it
     return;
   }
 
   setmaxnreg_inc<kPingPongConsumerRegs>();
   const int c = wg - 1;
   const bool leader = threadIdx.x % 128 == 0;
-  // The CTA's i-th tile: blockIdx.x + i gridDim.x, or the dynamic schedule's slot (waited for; a phase's parity is
+  // The CTA's i-th unit: first_unit + i unit_stride, or the dynamic schedule's slot (waited for; a phase's parity is
   // unambiguous because the producer is never a whole ring of slots ahead of the reader).
-  const auto tile_at = [&](int i) -> int {
-    if (!dynamic) return static_cast<int>(blockIdx.x + i * gridDim.x);
+  const auto unit_at = [&](int i) -> int {
+    if (!dynamic) return static_cast<int>(first_unit<CLUSTER>() + i * unit_stride<CLUSTER>());
     mbar_wait(&slots.posted[i % kTileSlots], (i / kTileSlots) & 1);
     return slots.tile[i % kTileSlots];
   };
-  // the CTA's tiles i = c, c + 2, ...: their K blocks from seq = i k_blocks(p) of the ring's sequence
+  // The next unit's mainloop may begin once this one has issued its last wgmma, not once they are done, so that the
+  // tensor cores run the two consumers' wgmmas back to back (p.late_order_signal, a timing hook: once they are done).
+  // Every full wait of this unit has passed, so the other consumer's full waits stay within one phase.
+  const auto signal_next = [&](int i) {
+    if (unit_at(i + 1) < unit_count<CLUSTER>(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
+  };
+  // the CTA's units i = c, c + 2, ...: their K blocks from seq = i k_blocks(p) of the ring's sequence
   for (int i = c;; i += 2) {
-    const int t = tile_at(i);
-    if (t >= tile_count(p)) break;
+    const int u = unit_at(i);
+    if (u >= unit_count<CLUSTER>(p)) break;
     const int seq = i * k_blocks(p);
-    int mt, ntile;
-    tile_coords(t, p.num_m, p.num_n, mt, ntile);
-    const int m0 = mt * C::BM, n0 = ntile * C::BN;
+    int mu, ntile;
+    tile_coords(u, m_units<CLUSTER>(p), p.num_n, mu, ntile);
+    const int m0 = (CLUSTER * mu + cluster_rank<CLUSTER>()) * C::BM, n0 = ntile * C::BN;
     float acc0[C::HALF_ACC], acc1[C::HALF_ACC];
 #pragma unroll
     for (int k = 0; k < C::HALF_ACC; ++k) acc0[k] = acc1[k] = 0.0f;
-    // the other consumer has issued every wgmma of tile i - 1 (they may still run: these queue behind them)
+    // the other consumer has issued every wgmma of unit i - 1 (they may still run: these queue behind them)
     if (i > 0) named_bar_sync<256>(kOrderBar + c);
+    if constexpr (CLUSTER > 1) {
+      if (m0 >= p.n_rows) {
+        // a tile beyond the rows (odd num_m): each stage is waited for (its bytes keep the barrier's count) and
+        // released, nothing is computed
+        for (int kb = 0; kb < k_blocks(p); ++kb) {
+          const int q = seq + kb, s = q % C::STAGES;
+          mbar_wait(&full[s], (q / C::STAGES) & 1);
+          if (leader) release_stage<CLUSTER>(&empty[s]);
+        }
+        signal_next(i);
+        continue;
+      }
+    }
     for (int kb = 0; kb < k_blocks(p); ++kb) {
       const int q = seq + kb, s = q % C::STAGES;
       mbar_wait(&full[s], (q / C::STAGES) & 1);
@@ -224,27 +290,22 @@ __device__ __forceinline__ void pingpong_schedule(uint8_t* smem, uint64_t* full,
       wgmma_wait<1>();
       reg_fence<C::HALF_ACC>(acc0);
       reg_fence<C::HALF_ACC>(acc1);
-      if (kb > 0 && leader) mbar_arrive(&empty[(q - 1) % C::STAGES]);
+      if (kb > 0 && leader) release_stage<CLUSTER>(&empty[(q - 1) % C::STAGES]);
     }
-    // The next tile's mainloop may begin once this one has issued its last wgmma, not once they are done, so that
-    // the tensor cores run the two consumers' wgmmas back to back (p.late_order_signal, a timing hook: once they are
-    // done). Every full wait of this tile has passed, so the other consumer's full waits stay within one phase.
-    const auto signal_next = [&] {
-      if (tile_at(i + 1) < tile_count(p)) named_bar_arrive<256>(kOrderBar + (1 - c));
-    };
-    if (!p.late_order_signal) signal_next();
+    if (!p.late_order_signal) signal_next(i);
     wgmma_wait<0>();
     reg_fence<C::HALF_ACC>(acc0);
     reg_fence<C::HALF_ACC>(acc1);
-    if (leader) mbar_arrive(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
-    if (p.late_order_signal) signal_next();
+    if (leader) release_stage<CLUSTER>(&empty[(seq + k_blocks(p) - 1) % C::STAGES]);
+    if (p.late_order_signal) signal_next(i);
 
     epi(acc0, acc1, m0, n0);
   }
+  if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 // The forward: statistics (and, LOGITS, the logits) of each tile, a 64-row half at a time.
-template <bool LOGITS>
+template <bool LOGITS, int CLUSTER = 1>
 __global__ void __launch_bounds__(kThreads, 1)
 pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                 const FusedParams p) {
@@ -252,7 +313,7 @@ pingpong_kernel(const __grid_constant__ CUtensorMap map_h, const __grid_constant
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::STAGES * C::STAGE_BYTES);
-  pingpong_schedule(smem, full, full + C::STAGES, &map_h, &map_w, p,
+  pingpong_schedule<CLUSTER>(smem, full, full + C::STAGES, &map_h, &map_w, p,
                              [&](float(&acc0)[C::HALF_ACC], float(&acc1)[C::HALF_ACC], int m0, int n0) {
                                if (p.skip_epilogue) {   // timing hook: the mainloop alone
                                  store_mainloop_sums(acc0, acc1, p, m0, n0, true);

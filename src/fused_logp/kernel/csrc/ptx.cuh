@@ -96,6 +96,27 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
+// ---- thread block clusters -------------------------------------------------------------------------------
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster meets here (release, then acquire, at cluster scope). Not `.aligned`: the
+// threads of a warp may reach it from different branches.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// One arrival on the mbarrier at `bar`'s offset in the shared memory of the cluster's CTA `cta` (this CTA's own
+// included). Default semantics (release at CTA scope), no fence at cluster scope: the kernels use it to release a
+// stage whose reads (wgmma, the async proxy) have completed, and the peer's producer then writes the stage by TMA.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(cta));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
 // This thread's shared-memory writes so far, ordered before later accesses by the async proxy (TMA, wgmma).
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #ifndef FUSED_LOGP_SIMT   // (tests/sm90/simt: one memory, no proxies)
@@ -116,8 +137,19 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(k0), "r"(row0)
       : "memory");
 }
+// The same box, written at dst's offset into the shared memory of every CTA of the cluster in cta_mask, each copy
+// completing on the mbarrier at bar's offset in that CTA.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int k0,
+                                                      int row0, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(k0), "r"(row0),
+        "h"(cta_mask)
+      : "memory");
+}
 // ---- a ring of shared-memory stages, each a full and an empty mbarrier ------------------------------------
-// The barriers' initialisation, by thread 0 (the caller then synchronises the CTA): full[s] awaits one
+// The barriers' initialisation, by thread 0 (the caller then synchronises the CTA or the cluster): full[s] awaits one
 // arrival (the producer's, with the stage's bytes), empty[s] `readers` releases.
 template <int STAGES>
 __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int readers) {

@@ -129,7 +129,8 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 // count): "cta-RxC", the CTA kernel with an R x C tile (rows x vocabulary columns), in which the logits are stored by
 // its producer warpgroup (producer_logits in stats_epilogue.cuh); "pingpong-RxC", the persistent ping-pong kernel with
 // R x C consumer tiles, whose consumer warps store the logits (pingpong_kernel.cuh), with "-dyn" on the dynamic
-// schedule (each CTA claims its next tile from a counter); "swapab-128", the swapped-operand kernel (the weight as the
+// schedule (each CTA claims its next tile from a counter) and with "-mc2" in clusters of two CTAs that share each
+// weight tile by multicast; "swapab-128", the swapped-operand kernel (the weight as the
 // wgmma's A operand, 128 rows a CTA; swap_kernel.cuh), whose consumer warps store the logits. None changes a bit. One
 // table gives the names for Python (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
@@ -155,6 +156,8 @@ static const NamedLaunch kLaunches[] = {
      }},
     {"pingpong-128x192-dyn", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p,
                                 cudaStream_t s) { launch_pingpong(h, w, p, s, true); }},
+    {"pingpong-128x192-mc2", [](const torch::Tensor& h, const torch::Tensor& w, const FusedParams& p,
+                                cudaStream_t s) { launch_pingpong_mc2(h, w, p, s); }},
 };
 
 std::vector<std::string> launch_names() {
