@@ -4,7 +4,7 @@
 # returns them: the extension build; the candidates' byte tests as a hang guard (GUARD_TESTS, a pytest -k expression
 # over test_sm90.py and test_backward_gpu.py; 170 s); the forward A/B at T = 1 (bench/ab_launches.py, AB_N rows,
 # AB_LAUNCHES, 7 interleaved rounds; ab-t1.json); the backward with the dz configurations in interleaved rounds
-# (DZ_N rows, DZ_AB; backward-dz.json); then, where STEPS names them, the DRAM traffic of NCU_LAUNCHES at NCU_N rows
+# (DZ_N rows, DZ_AB, none: skipped; backward-dz.json); then, where STEPS names them, the DRAM traffic of NCU_LAUNCHES at NCU_N rows
 # under Nsight Compute, with the statistics and their mainloop alone (ncu; ncu.txt), `make test-gpu` (tests) and the
 # sanitizers (sanitizers). Logs under $OUT, a line per step with its exit status and the time.
 set -u
@@ -30,9 +30,12 @@ for n, v in d["n"].items():
     g = v.get("gemm", {}).get("median_ms")
     print(n, {k: (round(x["median_ms"], 3), round(x["median_ms"] / g, 3) if g else None) for k, x in v.items()})
 PY
-timeout ${DZ_TIMEOUT:-200} python3 -P bench/benchmark_linear_logp_backward.py --n ${DZ_N:-8192} \
-  --dz-launches "${DZ_AB:-cta-128x256,pingpong-128x192,pingpong-128x192-dyn}" --out "$OUT/backward-dz.json" > "$OUT/backward-dz.txt" 2>&1
-step dz-ab $?; tail -6 "$OUT/backward-dz.txt"
+if [ "${DZ_AB-}" != none ]; then
+  timeout ${DZ_TIMEOUT:-200} python3 -P bench/benchmark_linear_logp_backward.py --n ${DZ_N:-8192} \
+    --dz-launches "${DZ_AB:-cta-128x256,pingpong-128x192,pingpong-128x192-dyn}" --out "$OUT/backward-dz.json" \
+    > "$OUT/backward-dz.txt" 2>&1
+  step dz-ab $?; tail -6 "$OUT/backward-dz.txt"
+fi
 case " ${STEPS-} " in *" ncu "*)
   for L in $(echo "${NCU_LAUNCHES:-pingpong-128x192,pingpong-128x192-mc2,cta-128x256}" | tr , ' '); do
     for M in "" --mainloop-only; do
