@@ -3,8 +3,8 @@ launch configuration at one shape; `--mainloop-only` runs the timing hook (the m
 `--return-logits` the rollout path, `--temperature` the division, `--gemm` cuBLAS's bf16 GEMM of the same shape
 instead, `--peer NAME` that peer's forward instead (bench/peers.py: quack, liger or cce, loss only, no_grad; it must
 be installed). The calls after the `--warm` ones run in the NVTX range "profiled" (`ncu --nvtx --nvtx-include
-profiled/` takes their kernels alone). `--seconds S` repeats the calls for S seconds (for power and clock sampling). Used by
-`make gpu-kernel-profile`, which profiles the last call, and `make gpu-power`.
+profiled/` takes their kernels alone). `--seconds S` repeats the calls for S seconds (for power and clock sampling).
+Used by `make gpu-kernel-profile`, which profiles the last call, `make gpu-power` and bench/run_mainloop_vs_quack.sh.
 Usage: PYTHONPATH=src python -P bench/profile_forward.py [--n 8192] [--launch cta-128x256] ..."""
 import argparse
 import os

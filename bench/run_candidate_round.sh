@@ -4,8 +4,8 @@
 # returns them: the extension build; the candidates' byte tests as a hang guard (GUARD_TESTS, a pytest -k expression
 # over test_sm90.py and test_backward_gpu.py; 170 s); the forward A/B at T = 1 (bench/ab_launches.py, AB_N rows,
 # AB_LAUNCHES, 7 interleaved rounds; ab-t1.json); the backward with the dz configurations in interleaved rounds
-# (DZ_N rows, DZ_AB, none: skipped; backward-dz.json); then, where STEPS names them, the DRAM traffic of NCU_LAUNCHES at NCU_N rows
-# under Nsight Compute, with the statistics and their mainloop alone (ncu; ncu.txt), `make test-gpu` (tests) and the
+# (DZ_N rows, DZ_AB, none: skipped; backward-dz.json); then, where STEPS names them, the DRAM traffic of NCU_LAUNCHES
+# at NCU_N rows under Nsight Compute, with the statistics and their mainloop alone (ncu; ncu.txt), `make test-gpu` (tests) and the
 # sanitizers (sanitizers). Logs under $OUT, a line per step with its exit status and the time.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"

@@ -72,20 +72,32 @@ def _order_signal(bars, c):
         raise Fault("a second signal before the wait of the first")
 
 
-def _mainloop(full, empty, content, c, i, kblocks):
-    """Consumer c's mainloop of the CTA's i-th tile: each K block's full wait (its fill must be the one waited for),
-    the previous K block's stage released one behind. -> the last K block's stage, which the caller releases after
-    the order signal (the kernel signals once it has issued the last wgmma, and waits for them before the release)."""
+def _ring(empty, content, who):
+    """release(s) and check(s, q) of one CTA's ring: one arrival on stage s's empty barrier; a Fault unless stage s
+    holds fill q."""
+    def release(s):
+        empty[s] += 1
+
+    def check(s, q):
+        if content[s] != q:
+            raise Fault(f"{who} read fill {content[s]} of stage {s} for fill {q}")
+    return release, check
+
+
+def _mainloop(full, release, check, i, kblocks):
+    """A consumer's mainloop of its CTA's i-th tile: each K block's full wait (check: its fill must be the one waited
+    for), the previous K block's stage released one behind. -> the last K block's stage, which the caller releases
+    after the order signal (the kernel signals once it has issued the last wgmma, and waits for them before the
+    release)."""
     held = None
     for kb in range(kblocks):
         q = i * kblocks + kb
         s = q % STAGES
         while not _passed(full[s], (q // STAGES) & 1):
             yield
-        if content[s] != q:
-            raise Fault(f"consumer {c} read fill {content[s]} of stage {s} for fill {q}")
+        check(s, q)
         if held is not None:
-            empty[held] += 1             # the previous K block's stage
+            release(held)                # the previous K block's stage
         held = s
         yield
     return held
@@ -110,14 +122,15 @@ def _run(tiles, grid, kblocks, seed, *, order=True, producer_parity_flip=False):
                 yield
 
         def consumer(c):
+            release, check = _ring(empty, content, f"consumer {c}")
             for i in range(c, n, 2):
                 if order and i > 0:
                     yield from _order_wait(bars, c)
-                last = yield from _mainloop(full, empty, content, c, i, kblocks)
+                last = yield from _mainloop(full, release, check, i, kblocks)
                 if order and i + 1 < n:
                     _order_signal(bars, c)
                 yield
-                empty[last] += 1
+                release(last)
                 yield
 
         def land(item):
@@ -199,26 +212,25 @@ def _run_cluster(units, clusters, kblocks, seed, *, release_both=True, parts=3, 
                 arrive_empty(y, s)
 
         def consumer(x, c):
+            def check(s, q):
+                if content[x][s] != {"A": q, "B0": q, "B1": q}:
+                    raise Fault(f"CTA {x} consumer {c} read fill {content[x][s]} of stage {s} for fill {q}")
+
             for i in range(c, n, 2):
                 if i > 0:
                     yield from _order_wait(bars[x], c)
                 held = None
-                for kb in range(kblocks):
-                    q = i * kblocks + kb
-                    s = q % STAGES
-                    while not _passed(full[x][s], (q // STAGES) & 1):
-                        yield
-                    got = content[x][s]
-                    if got != {"A": q, "B0": q, "B1": q}:
-                        raise Fault(f"CTA {x} consumer {c} read fill {got} of stage {s} for fill {q}")
-                    if x == 1 and i in beyond:
+                if x == 1 and i in beyond:
+                    for kb in range(kblocks):
+                        q = i * kblocks + kb
+                        s = q % STAGES
+                        while not _passed(full[x][s], (q // STAGES) & 1):
+                            yield
+                        check(s, q)
                         release(x, s)
                         yield
-                        continue
-                    if held is not None:
-                        release(x, held)
-                    held = s
-                    yield
+                else:
+                    held = yield from _mainloop(full[x], lambda s: release(x, s), check, i, kblocks)
                 if i + 1 < n:
                     _order_signal(bars[x], c)
                 yield
@@ -318,6 +330,7 @@ def _run_dynamic(tiles, grid, kblocks, seed, *, slots=TILE_SLOTS, peek=True):
 
         def consumer(c, st=st, unit_at=unit_at):
             bars = st["bars"]
+            release, check = _ring(st["empty"], st["content"], f"consumer {c}")
             i = c
             while True:
                 u = yield from unit_at(i, c)
@@ -325,13 +338,13 @@ def _run_dynamic(tiles, grid, kblocks, seed, *, slots=TILE_SLOTS, peek=True):
                     return
                 if i > 0:
                     yield from _order_wait(bars, c)
-                last = yield from _mainloop(st["full"], st["empty"], st["content"], c, i, kblocks)
+                last = yield from _mainloop(st["full"], release, check, i, kblocks)
                 computed.append(u)
                 nxt = yield from unit_at(i + 1, c)
                 if nxt < tiles or not peek:
                     _order_signal(bars, c)
                 yield
-                st["empty"][last] += 1
+                release(last)
                 yield
                 i += 2
 

@@ -31,8 +31,8 @@ _TILE = C.VOCAB_TILE
 # extension takes (kernel/csrc/sm90_forward.cu launch_names(); a test checks that the two lists agree). "auto" is one
 # of them, chosen by row count. With return_logits, the producer warpgroup of a cta-* configuration stores the logits
 # while the consumer warps compute the statistics; in pingpong-128x192 (and pingpong-128x192-dyn, the same kernel on
-# the dynamic schedule, and pingpong-128x192-mc2, in clusters of two CTAs) the consumer warps store them after each slice's statistics, in swapab-128 after each tile's
-# statistics (docs/design/sm90-kernel.md).
+# the dynamic schedule, and pingpong-128x192-mc2, in clusters of two CTAs) the consumer warps store them after each
+# slice's statistics, in swapab-128 after each tile's statistics (docs/design/sm90-kernel.md).
 LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swapab-128", "pingpong-128x192-dyn",
             "pingpong-128x192-mc2")
 

@@ -70,7 +70,7 @@ static_assert(128 * kPingPongProducerRegs + 128 * kConsumers * kPingPongConsumer
 constexpr int kOrderBar = 5;
 
 // The dynamic schedule's ring of tile numbers, after the stage barriers: slot i % kTileSlots holds the CTA's i-th
-// tile (or tile_count, the end), posted on its mbarrier. The producer writes slot i once it has waited for the release
+// tile (or unit_count, the end), posted on its mbarrier. The producer writes slot i once it has waited for the release
 // of tile i - 1's last stage; by then every tile up to i - 1 - STAGES has begun its mainloop, so its consumer has
 // read its slot: kTileSlots >= STAGES + 2 keeps both end marks (i and i + 1) off unread slots.
 constexpr int kTileSlots = 8;

@@ -130,9 +130,9 @@ static torch::Tensor output_f32(c10::IntArrayRef shape, const torch::Tensor& lik
 // its producer warpgroup (producer_logits in stats_epilogue.cuh); "pingpong-RxC", the persistent ping-pong kernel with
 // R x C consumer tiles, whose consumer warps store the logits (pingpong_kernel.cuh), with "-dyn" on the dynamic
 // schedule (each CTA claims its next tile from a counter) and with "-mc2" in clusters of two CTAs that share each
-// weight tile by multicast; "swapab-128", the swapped-operand kernel (the weight as the
-// wgmma's A operand, 128 rows a CTA; swap_kernel.cuh), whose consumer warps store the logits. None changes a bit. One
-// table gives the names for Python (launch_names), the dispatch and the refusal.
+// weight tile by multicast; "swapab-128", the swapped-operand kernel (the weight as the wgmma's A operand, 128 rows a
+// CTA; swap_kernel.cuh), whose consumer warps store the logits. None changes a bit. One table gives the names for
+// Python (launch_names), the dispatch and the refusal.
 using Launcher = void (*)(const torch::Tensor&, const torch::Tensor&, const FusedParams&, cudaStream_t);
 struct NamedLaunch {
   const char* name;

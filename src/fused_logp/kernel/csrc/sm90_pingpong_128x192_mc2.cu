@@ -17,7 +17,7 @@ void launch_pingpong_mc2(const torch::Tensor& hidden, const torch::Tensor& weigh
   using C = PingPongCfg;
   constexpr int kCluster = 2;
   FusedParams q = register_tile_params(p, "pingpong-128x192-mc2", C::BM, C::BN);
-  q.tile_counter = nullptr;   // the static schedule
+  set_tile_counter(q, hidden, false);   // the static schedule: no counter
   const long long units = static_cast<long long>((q.num_m + kCluster - 1) / kCluster) * q.num_n;
   const CUtensorMap mh = make_map(hidden, C::BM);
   const CUtensorMap mw = make_map(weight, C::BN / kCluster);     // each CTA loads one half of the weight tile
