@@ -43,8 +43,8 @@ LAUNCHES = ("cta-128x256", "cta-64x256", "cta-64x128", "pingpong-128x192", "swap
 # behind the static schedule at 2048 and cta-128x256 at 6144-16384; on the H200 at most 0.5% ahead of auto's choice at
 # 2048-8192 rows and 2.5% behind it at 2048 (docs/design/sm90-kernel.md).
 # pingpong-128x192-mc2, the ping-pong kernel in clusters of two CTAs along M, each weight tile loaded half by each CTA
-# and multicast into both (pingpong_kernel.cuh, CLUSTER = 2; QuACK's schedule), for N >= 2048: lost on the H100 with
-# the former order signal, not yet run with the early one or on an H200.
+# and multicast into both (pingpong_kernel.cuh, CLUSTER = 2; QuACK's schedule), for N >= 2048: on the H100 with the
+# early order signal level with pingpong-128x192 at 2048 rows and behind it at 4096; not yet run on an H200.
 CANDIDATE_LAUNCHES: frozenset = frozenset({"pingpong-128x192-dyn", "pingpong-128x192-mc2"})
 
 # Configurations that take D and the vocabulary (shard) width in multiples of 64 only (the persistent ping-pong
